@@ -1,0 +1,22 @@
+"""evenzero: ZeRO-1/2 data parallelism with one equal reduce-scatter per bucket."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from evenzero.plan import Bucket, Collective, Plan, PlanError, ShardRange, Slot  # noqa: E402
+from evenzero.spec import ModelSpec, ParamSpec, SpecError  # noqa: E402
+from evenzero.strategies import PlanOptions, plan  # noqa: E402
+
+
+def __getattr__(name: str):
+    # The runtime needs torch.distributed; keep `import evenzero` light for the planner.
+    if name == "ZeroOptimizer":
+        from evenzero.runtime.optimizer import ZeroOptimizer
+
+        return ZeroOptimizer
+    raise AttributeError(name)
+
+
+__all__ = ["Bucket", "Collective", "ModelSpec", "ParamSpec", "Plan", "PlanError", "PlanOptions",
+           "ShardRange", "SpecError", "Slot", "ZeroOptimizer", "plan"]

@@ -1,0 +1,222 @@
+"""The plan: what every strategy produces and what the runtime executes.
+
+A `Plan` is pure data (frozen dataclasses, no tensors). It answers three questions
+about one model under one strategy on one world size:
+
+* where each parameter's gradient sits while it is being reduced (`buckets`);
+* which rank owns which elements afterwards (`layouts`, sliced equally per rank);
+* which collectives are issued, in which order (`collectives`).
+
+For evenzero and Megatron the communication bucket *is* the ownership layout, so a
+bucket is one reduce-scatter. DeepSpeed lays out ownership in registration order but
+fills its buckets in arrival order, which is the whole seed-case problem; the two
+lists differ and the collectives are reduces of the pieces.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from functools import cached_property
+
+class PlanError(ValueError):
+    """Bad planning input (world size, bucket size, groups); the message names the fix."""
+
+
+BACKWARD = "backward"
+STEP = "step"
+OPS = ("reduce", "reduce_scatter", "all_reduce", "all_gather")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One whole parameter placed inside a bucket or a layout."""
+
+    name: str
+    """Parameter name, as in `named_parameters()`."""
+    offset: int
+    """Element offset of the parameter's first element inside its buffer."""
+    numel: int
+    """Number of elements of the parameter."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A flat buffer of gradients that is reduced by the backward collectives.
+
+    For a layout-bucket (evenzero, Megatron) `numel` includes the padding that makes it
+    divisible by the group size times the alignment.
+    """
+
+    group: str
+    """Name of the parameter group the bucket belongs to."""
+    index: int
+    """Position of the bucket within its group (0-based)."""
+    numel: int
+    """Elements in the buffer, padding included."""
+    params: tuple[Slot, ...]
+    """The parameters in buffer order, with their offsets."""
+
+    @property
+    def used(self) -> int:
+        return sum(s.numel for s in self.params)
+
+    @property
+    def padding(self) -> int:
+        return self.numel - self.used
+
+
+@dataclass(frozen=True)
+class ShardRange:
+    """A contiguous run of one parameter's elements owned by one rank."""
+
+    param: str
+    """Parameter name."""
+    rank: int
+    """Owning rank, local to the group's process group."""
+    start: int
+    """Offset of the run inside the flattened parameter."""
+    numel: int
+    """Length of the run."""
+    layout: int
+    """Index of the layout (within its group) that holds the run."""
+    layout_offset: int
+    """Offset of the run inside that layout."""
+    shard_offset: int
+    """Offset of the run inside the owner's flat shard of the whole group."""
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective call, as planned or as issued (the runtime's trace uses it too)."""
+
+    phase: str
+    """"backward" (gradient reduction) or "step" (norms and parameter all-gather)."""
+    op: str
+    """One of reduce, reduce_scatter, all_reduce, all_gather."""
+    group: str
+    """Parameter group name, or "world" for a collective over every rank."""
+    group_size: int
+    """Ranks in the process group the call runs on."""
+    root: int | None
+    """Group-local destination rank of a reduce; None otherwise."""
+    bucket: int | None
+    """Bucket index within `group` the call reads from; None for whole-group calls."""
+    offset: int
+    """Element offset of the message inside the bucket (or layout for all-gathers)."""
+    numel: int
+    """Elements in the message (a reduce-scatter's full input, an all-gather's full output)."""
+    segments: tuple[tuple[int, int], ...] = ()
+    """(offset, numel) pieces that are flattened into one message, when not contiguous."""
+    itemsize: int = 4
+    """Bytes per element of the message."""
+    algorithm: str = field(default="", compare=False)
+    """How the runtime carried out the op (e.g. "all_to_all+sum"); not part of equality."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    def pieces(self) -> tuple[tuple[int, int], ...]:
+        return self.segments or ((self.offset, self.numel),)
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A parameter group and the process group it is reduced over."""
+
+    name: str
+    size: int
+    """Data-parallel size of the group (world / expert_parallel_size for experts)."""
+    expert_parallel_size: int = 1
+    """1 for dense groups. For experts, the group of rank r is {r % E + k*E}."""
+    numel: int = 0
+    """Trainable elements in the group on one rank, padding excluded."""
+
+    def ranks_of(self, global_rank: int, world_size: int) -> tuple[int, ...]:
+        e = self.expert_parallel_size
+        return tuple(range(global_rank % e, world_size, e))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A strategy's complete plan for one model on one world size."""
+
+    strategy: str
+    world_size: int
+    groups: tuple[GroupInfo, ...]
+    buckets: tuple[Bucket, ...]
+    """Communication buckets, in the order their backward collectives are issued."""
+    layouts: tuple[Bucket, ...]
+    """Ownership layouts: rank r of a group owns the r-th equal slice of each one."""
+    collectives: tuple[Collective, ...]
+    arrival: tuple[str, ...] = ()
+    """The gradient-arrival order the plan was made for."""
+    notes: tuple[str, ...] = ()
+    """Human-readable remarks (fallbacks taken, knobs used)."""
+    sharded: bool = True
+    """False for strategies that keep full optimizer state on every rank (DDP)."""
+
+    def group(self, name: str) -> GroupInfo:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"plan has no group {name!r}; groups are {[g.name for g in self.groups]}")
+
+    def backward(self) -> tuple[Collective, ...]:
+        return tuple(c for c in self.collectives if c.phase == BACKWARD)
+
+    def step(self) -> tuple[Collective, ...]:
+        return tuple(c for c in self.collectives if c.phase == STEP)
+
+    def group_layouts(self, group: str) -> tuple[Bucket, ...]:
+        return tuple(sorted((b for b in self.layouts if b.group == group), key=lambda b: b.index))
+
+    def group_buckets(self, group: str) -> tuple[Bucket, ...]:
+        return tuple(b for b in self.buckets if b.group == group)
+
+    def shard_numel(self, group: str) -> int:
+        """Elements in each rank's flat shard of `group` (equal on every rank)."""
+        n = self.group(group).size
+        return sum(b.numel // n for b in self.group_layouts(group))
+
+    def padding(self) -> int:
+        return sum(b.padding for b in self.layouts)
+
+    def shard_ranges(self, group: str, rank: int) -> tuple[ShardRange, ...]:
+        """The runs of parameters that group-local `rank` owns, in shard order."""
+        n = self.group(group).size
+        if not 0 <= rank < n:
+            raise ValueError(f"rank {rank} is outside group {group!r} of size {n}")
+        out: list[ShardRange] = []
+        shard_base = 0
+        for layout in self.group_layouts(group):
+            per = layout.numel // n
+            lo, hi = rank * per, (rank + 1) * per
+            starts = _slot_starts(layout)
+            i = max(0, bisect.bisect_right(starts, lo) - 1)
+            for slot in layout.params[i:]:
+                if slot.offset >= hi:
+                    break
+                a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                if a < b:
+                    out.append(ShardRange(slot.name, rank, a - slot.offset, b - a,
+                                          layout.index, a, shard_base + a - lo))
+            shard_base += per
+        return tuple(out)
+
+    @cached_property
+    def _owner_index(self) -> dict[str, tuple[str, int, int]]:
+        return {s.name: (b.group, b.index, s.offset) for b in self.layouts for s in b.params}
+
+    def locate(self, param: str) -> tuple[str, int, int]:
+        """(group, layout index, offset in layout) of a parameter."""
+        return self._owner_index[param]
+
+
+def _slot_starts(layout: Bucket) -> list[int]:
+    return [s.offset for s in layout.params]
+
+
+def align_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple

@@ -1,0 +1,309 @@
+"""Models as parameter specs: names, shapes, groups and gradient-arrival order.
+
+A spec comes from an `nn.Module` built on the meta device (no memory is used), from a
+JSON file, or from a preset (`evenzero.presets`). The planner needs nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+DENSE = "dense"
+
+
+class SpecError(ValueError):
+    """A malformed model description; the message names the offending field."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One trainable parameter."""
+
+    name: str
+    """Name as in `named_parameters()`."""
+    shape: tuple[int, ...]
+    """Shape of the parameter on one rank."""
+    group: str = DENSE
+    """Parameter group; groups with `expert_parallel_size` are reduced over expert-DP ranks."""
+    dtype: str = "float32"
+    """Storage dtype of the model parameter (float32, bfloat16, float16)."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A parameter group and how it is data-parallel."""
+
+    name: str
+    expert_parallel_size: int = 1
+    """E > 1: the group is data-parallel over world/E ranks {i, i+E, ...}."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the planner needs to know about a model."""
+
+    params: tuple[ParamSpec, ...]
+    """Trainable parameters in optimizer (registration) order."""
+    groups: tuple[GroupSpec, ...] = (GroupSpec(DENSE),)
+    arrival: tuple[str, ...] | None = None
+    """Names in gradient-arrival order; a name missing here produces no gradient.
+    None means the reverse of `params`."""
+    arrival_source: str = "given"
+    """Where `arrival` came from: given, measured (meta backward) or reverse-registration."""
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.params]
+        seen: set[str] = set()
+        for n in names:
+            if n in seen:
+                raise SpecError(f"params: duplicate parameter name {n!r}")
+            seen.add(n)
+        group_names = {g.name for g in self.groups}
+        if len(group_names) != len(self.groups):
+            raise SpecError("groups: duplicate group name")
+        for p in self.params:
+            if p.group not in group_names:
+                raise SpecError(f"params[{p.name!r}].group: unknown group {p.group!r}; "
+                                f"declare it under \"groups\" (known: {sorted(group_names)})")
+            if p.dtype not in DTYPE_BYTES:
+                raise SpecError(f"params[{p.name!r}].dtype: {p.dtype!r} is not one of "
+                                f"{sorted(DTYPE_BYTES)}")
+            if any((not isinstance(d, int)) or d < 0 for d in p.shape):
+                raise SpecError(f"params[{p.name!r}].shape: {list(p.shape)} must be non-negative integers")
+        for g in self.groups:
+            if not isinstance(g.expert_parallel_size, int) or g.expert_parallel_size < 1:
+                raise SpecError(f"groups[{g.name!r}].expert_parallel_size: must be a positive "
+                                f"integer, got {g.expert_parallel_size!r}")
+        if self.arrival is not None:
+            seen = set()
+            for n in self.arrival:
+                if n not in {*names}:
+                    raise SpecError(f"arrival: unknown parameter name {n!r}")
+                if n in seen:
+                    raise SpecError(f"arrival: duplicate name {n!r}")
+                seen.add(n)
+
+    @property
+    def arrival_order(self) -> tuple[str, ...]:
+        if self.arrival is None:
+            return tuple(p.name for p in reversed(self.params))
+        return self.arrival
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    def group(self, name: str) -> GroupSpec:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(name)
+
+    def group_params(self, name: str) -> tuple[ParamSpec, ...]:
+        return tuple(p for p in self.params if p.group == name)
+
+    def param(self, name: str) -> ParamSpec:
+        return self._by_name[name]
+
+    @property
+    def _by_name(self) -> dict[str, ParamSpec]:
+        d = self.__dict__.get("_by_name_cache")
+        if d is None:
+            d = {p.name: p for p in self.params}
+            object.__setattr__(self, "_by_name_cache", d)
+        return d
+
+    def with_arrival(self, arrival: Iterable[str], source: str = "given") -> ModelSpec:
+        return ModelSpec(self.params, self.groups, tuple(arrival), source, self.name)
+
+    def without_grads(self, names: Iterable[str]) -> ModelSpec:
+        """The same model where `names` never produce a gradient."""
+        drop = set(names)
+        for n in drop:
+            self.param(n)
+        return self.with_arrival([n for n in self.arrival_order if n not in drop], self.arrival_source)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "params": [{"name": p.name, "shape": list(p.shape), "group": p.group, "dtype": p.dtype}
+                       for p in self.params],
+            "groups": {g.name: ({"expert_parallel_size": g.expert_parallel_size}
+                                if g.expert_parallel_size > 1 else {}) for g in self.groups},
+            "arrival": list(self.arrival_order),
+        }
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+def from_json(data: Mapping[str, Any] | str | Path, name: str | None = None) -> ModelSpec:
+    """Parse the documented JSON format; every error names the offending field."""
+    if isinstance(data, (str, Path)):
+        path = Path(data)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise SpecError(f"{path}: cannot read model file ({e.strerror})") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpecError(f"{path}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+        name = name or path.stem
+    if not isinstance(data, Mapping):
+        raise SpecError("top level: expected an object with \"params\"")
+    unknown = set(data) - {"params", "groups", "arrival"}
+    if unknown:
+        raise SpecError(f"top level: unknown key(s) {sorted(unknown)}; expected params, groups, arrival")
+    raw_params = data.get("params")
+    if not isinstance(raw_params, list) or not raw_params:
+        raise SpecError("params: expected a non-empty list of {\"name\", \"shape\"} objects")
+    raw_groups = data.get("groups", {DENSE: {}})
+    if not isinstance(raw_groups, Mapping):
+        raise SpecError("groups: expected an object mapping group name to options")
+    groups = []
+    for gname, opts in raw_groups.items():
+        if not isinstance(opts, Mapping):
+            raise SpecError(f"groups[{gname!r}]: expected an object, got {type(opts).__name__}")
+        bad = set(opts) - {"expert_parallel_size"}
+        if bad:
+            raise SpecError(f"groups[{gname!r}]: unknown option(s) {sorted(bad)}")
+        e = opts.get("expert_parallel_size", 1)
+        if isinstance(e, bool) or not isinstance(e, int):
+            raise SpecError(f"groups[{gname!r}].expert_parallel_size: expected an integer, got {e!r}")
+        groups.append(GroupSpec(gname, e))
+    params = []
+    for i, rp in enumerate(raw_params):
+        where = f"params[{i}]"
+        if not isinstance(rp, Mapping):
+            raise SpecError(f"{where}: expected an object")
+        pname = rp.get("name")
+        if not isinstance(pname, str) or not pname:
+            raise SpecError(f"{where}.name: expected a non-empty string")
+        where = f"params[{i}] ({pname})"
+        bad = set(rp) - {"name", "shape", "group", "dtype"}
+        if bad:
+            raise SpecError(f"{where}: unknown key(s) {sorted(bad)}")
+        shape = rp.get("shape")
+        if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0
+                                              for d in shape):
+            raise SpecError(f"{where}.shape: expected a list of non-negative integers, got {shape!r}")
+        group = rp.get("group", DENSE)
+        if not isinstance(group, str):
+            raise SpecError(f"{where}.group: expected a string")
+        if group not in raw_groups:
+            raise SpecError(f"{where}.group: unknown group {group!r}; declare it under \"groups\"")
+        dtype = rp.get("dtype", "float32")
+        if dtype not in DTYPE_BYTES:
+            raise SpecError(f"{where}.dtype: {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        params.append(ParamSpec(pname, tuple(shape), group, dtype))
+    arrival = data.get("arrival")
+    if arrival is not None and (not isinstance(arrival, list)
+                                or any(not isinstance(a, str) for a in arrival)):
+        raise SpecError("arrival: expected a list of parameter names")
+    return ModelSpec(tuple(params), tuple(groups), tuple(arrival) if arrival is not None else None,
+                     "given" if arrival is not None else "reverse-registration", name or "model")
+
+
+# --------------------------------------------------------------------------- nn.Module
+
+
+def expert_group_name(param: Any, default: str = "experts") -> str | None:
+    """DeepSpeed's MoE convention: `param.allreduce is False` marks an expert param."""
+    if getattr(param, "allreduce", True) is False:
+        return str(getattr(param, "group_name", default))
+    return None
+
+
+@dataclass(frozen=True)
+class ModuleSpecOptions:
+    """How `from_module` groups parameters."""
+
+    expert_parallel_size: int = 1
+    """E for parameters marked as experts (allreduce=False or name matched)."""
+    expert_pattern: str | None = None
+    """Substring that marks expert params by name, for modules without the DeepSpeed marker."""
+    extra: dict = field(default_factory=dict)
+
+
+def from_module(module: Any, example_input: Callable[[], Any] | Any | None = None,
+                loss_fn: Callable[[Any], Any] | None = None,
+                options: ModuleSpecOptions = ModuleSpecOptions(),
+                name: str | None = None) -> ModelSpec:
+    """Describe `module` (ideally built on `torch.device("meta")`).
+
+    With `example_input` (a tensor, a tuple of args, or a zero-argument callable returning
+    either), one forward and backward run on meta tensors and post-accumulate-grad hooks
+    record the real arrival order. Without it, or if that fails, the order falls back to
+    reverse registration and `arrival_source` says so.
+    """
+    import torch
+
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise SpecError("module has no trainable parameters")
+    groups: dict[str, GroupSpec] = {DENSE: GroupSpec(DENSE)}
+    params = []
+    for n, p in named:
+        g = expert_group_name(p)
+        if g is None and options.expert_pattern and options.expert_pattern in n:
+            g = "experts"
+        if g is None:
+            g = DENSE
+        elif g not in groups:
+            groups[g] = GroupSpec(g, options.expert_parallel_size)
+        dtype = str(p.dtype).removeprefix("torch.")
+        params.append(ParamSpec(n, tuple(p.shape), g, dtype))
+    used_groups = tuple(g for g in groups.values() if any(p.group == g.name for p in params))
+
+    arrival = None
+    source = "reverse-registration"
+    if example_input is not None:
+        try:
+            arrival = _measure_arrival(module, named, example_input, loss_fn, torch)
+            source = "measured"
+        except Exception as e:  # noqa: BLE001 - any failure means we fall back, and say so
+            source = f"reverse-registration (meta backward failed: {type(e).__name__}: {e})"
+    if arrival is None:
+        arrival = [n for n, _ in reversed(named)]
+    return ModelSpec(tuple(params), used_groups, tuple(arrival), source,
+                     name or type(module).__name__)
+
+
+def _measure_arrival(module, named, example_input, loss_fn, torch) -> list[str]:
+    order: list[str] = []
+    handles = []
+    for n, p in named:
+        handles.append(p.register_post_accumulate_grad_hook(lambda _p, n=n: order.append(n)))
+    try:
+        inp = example_input() if callable(example_input) else example_input
+        args = inp if isinstance(inp, tuple) else (inp,)
+        out = module(*args)
+        loss = loss_fn(out) if loss_fn is not None else _default_loss(out)
+        loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+        for _, p in named:
+            p.grad = None
+    return order
+
+
+def _default_loss(out):
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    return out.float().sum()

@@ -1,0 +1,42 @@
+"""Planners: each turns a `ModelSpec`, a world size and `PlanOptions` into a `Plan`.
+
+`plan(spec, world_size, "evenzero")` is the entry point; `STRATEGIES` lists them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from evenzero.plan import Plan, PlanError
+from evenzero.spec import ModelSpec
+from evenzero.strategies.common import PlanOptions, group_infos
+
+Planner = Callable[[ModelSpec, int, PlanOptions], Plan]
+
+
+def _registry() -> dict[str, Planner]:
+    from evenzero.strategies import ddp, deepspeed, evenzero, fsdp2, megatron
+
+    return {
+        "evenzero": evenzero.plan_evenzero,
+        "deepspeed-0.6": deepspeed.plan_deepspeed_reduce,
+        "deepspeed": deepspeed.plan_deepspeed_allreduce,
+        "megatron": megatron.plan_megatron,
+        "fsdp2": fsdp2.plan_fsdp2,
+        "ddp": ddp.plan_ddp,
+    }
+
+
+STRATEGY_NAMES = ("evenzero", "deepspeed-0.6", "deepspeed", "megatron", "fsdp2", "ddp")
+
+
+def plan(spec: ModelSpec, world_size: int, strategy: str = "evenzero",
+         options: PlanOptions | None = None) -> Plan:
+    """Plan `spec` on `world_size` ranks with `strategy`."""
+    planners = _registry()
+    if strategy not in planners:
+        raise PlanError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGY_NAMES)}")
+    return planners[strategy](spec, world_size, options or PlanOptions())
+
+
+__all__ = ["STRATEGY_NAMES", "PlanOptions", "plan", "group_infos"]

@@ -1,0 +1,101 @@
+"""Options and helpers shared by every planner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from evenzero.plan import BACKWARD, STEP, Bucket, Collective, GroupInfo, PlanError
+from evenzero.spec import DTYPE_BYTES, ModelSpec
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Knobs a user can turn; None means the strategy's own default."""
+
+    bucket_numel: int | None = None
+    """Bucket size in elements (DeepSpeed: reduce_bucket_size; DDP: converted from 25 MB)."""
+    round_robin: bool = False
+    """DeepSpeed `round_robin_gradients`: interleave the flat layout across ranks."""
+    alignment_bytes: int = 128
+    """evenzero: every shard starts on this many bytes."""
+    reduce_dtype: str | None = None
+    """Dtype of gradient messages; None means each group's parameter dtype."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_numel is not None and (isinstance(self.bucket_numel, bool)
+                                              or self.bucket_numel <= 0):
+            raise PlanError(f"bucket size must be a positive number of elements, got "
+                            f"{self.bucket_numel}; pass e.g. --bucket-numel 33554432")
+        if self.alignment_bytes <= 0:
+            raise PlanError(f"alignment must be positive, got {self.alignment_bytes} bytes")
+        if self.reduce_dtype is not None and self.reduce_dtype not in DTYPE_BYTES:
+            raise PlanError(f"reduce dtype {self.reduce_dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+
+
+def check_world_size(world_size: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise PlanError(f"world size must be a positive integer, got {world_size!r}")
+
+
+def group_infos(spec: ModelSpec, world_size: int) -> tuple[GroupInfo, ...]:
+    """Group sizes on `world_size` ranks; rejects world sizes the groups cannot tile."""
+    check_world_size(world_size)
+    out = []
+    for g in spec.groups:
+        e = g.expert_parallel_size
+        if world_size % e:
+            raise PlanError(f"world size {world_size} is not divisible by expert_parallel_size {e} "
+                            f"of group {g.name!r}; use a world size that is a multiple of {e}")
+        params = spec.group_params(g.name)
+        if not params:
+            continue
+        out.append(GroupInfo(g.name, world_size // e, e, sum(p.numel for p in params)))
+    return tuple(out)
+
+
+def group_dtype(spec: ModelSpec, group: str) -> str:
+    dtypes = {p.dtype for p in spec.group_params(group)}
+    if len(dtypes) > 1:
+        raise PlanError(f"group {group!r} mixes parameter dtypes {sorted(dtypes)}; "
+                        f"put each dtype in its own group")
+    return dtypes.pop()
+
+
+def message_itemsize(spec: ModelSpec, group: str, options: PlanOptions) -> int:
+    return DTYPE_BYTES[options.reduce_dtype or group_dtype(spec, group)]
+
+
+def arrival_positions(spec: ModelSpec) -> dict[str, int]:
+    return {n: i for i, n in enumerate(spec.arrival_order)}
+
+
+def group_arrival(spec: ModelSpec, group: str) -> tuple[list[str], list[str]]:
+    """(params of `group` in arrival order, params of `group` that produce no gradient)."""
+    pos = arrival_positions(spec)
+    params = spec.group_params(group)
+    arrived = sorted((p.name for p in params if p.name in pos), key=pos.__getitem__)
+    missing = [p.name for p in params if p.name not in pos]
+    return arrived, missing
+
+
+def completion_order(spec: ModelSpec, buckets: list[Bucket]) -> list[Bucket]:
+    """Buckets sorted by when their last gradient arrives; never-complete ones last."""
+    pos = arrival_positions(spec)
+    never = len(pos)
+    group_rank = {g.name: i for i, g in enumerate(spec.groups)}
+
+    def key(b: Bucket) -> tuple[int, int, int]:
+        last = max((pos.get(s.name, never) for s in b.params), default=never)
+        return (last, group_rank[b.group], b.index)
+
+    return sorted(buckets, key=key)
+
+
+def all_gathers(spec: ModelSpec, infos: tuple[GroupInfo, ...], layouts: list[Bucket]) -> list[Collective]:
+    """One equal all-gather per layout, on the layout's group."""
+    size = {g.name: g.size for g in infos}
+    return [Collective(STEP, "all_gather", b.group, size[b.group], None, b.index, 0, b.numel,
+                       itemsize=DTYPE_BYTES[group_dtype(spec, b.group)]) for b in layouts]
+
+
+__all__ = ["BACKWARD", "STEP", "PlanOptions", "group_infos"]
