@@ -19,6 +19,7 @@ import bisect
 from dataclasses import dataclass, field
 from functools import cached_property
 
+
 class PlanError(ValueError):
     """Bad planning input (world size, bucket size, groups); the message names the fix."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -237,7 +237,6 @@ class ModuleSpecOptions:
     """E for parameters marked as experts (allreduce=False or name matched)."""
     expert_pattern: str | None = None
     """Substring that marks expert params by name, for modules without the DeepSpeed marker."""
-    extra: dict = field(default_factory=dict)
 
 
 def from_module(module: Any, example_input: Callable[[], Any] | Any | None = None,

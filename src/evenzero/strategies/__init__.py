@@ -21,6 +21,7 @@ def _registry() -> dict[str, Planner]:
         "evenzero": evenzero.plan_evenzero,
         "deepspeed-0.6": deepspeed.plan_deepspeed_reduce,
         "deepspeed": deepspeed.plan_deepspeed_allreduce,
+        "deepspeed-reduce-mode": deepspeed.plan_deepspeed_reduce_mode,
         "megatron": megatron.plan_megatron,
         "fsdp2": fsdp2.plan_fsdp2,
         "ddp": ddp.plan_ddp,
@@ -28,6 +29,8 @@ def _registry() -> dict[str, Planner]:
 
 
 STRATEGY_NAMES = ("evenzero", "deepspeed-0.6", "deepspeed", "megatron", "fsdp2", "ddp")
+"""The strategies `evenzero plan ... --strategy all` compares. "deepspeed-reduce-mode"
+(DeepSpeed 0.12.4+ with use_multi_rank_bucket_allreduce=false) is planned on request."""
 
 
 def plan(spec: ModelSpec, world_size: int, strategy: str = "evenzero",
@@ -35,7 +38,7 @@ def plan(spec: ModelSpec, world_size: int, strategy: str = "evenzero",
     """Plan `spec` on `world_size` ranks with `strategy`."""
     planners = _registry()
     if strategy not in planners:
-        raise PlanError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGY_NAMES)}")
+        raise PlanError(f"unknown strategy {strategy!r}; choose from {', '.join(planners)}")
     return planners[strategy](spec, world_size, options or PlanOptions())
 
 

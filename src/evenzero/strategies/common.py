@@ -98,4 +98,10 @@ def all_gathers(spec: ModelSpec, infos: tuple[GroupInfo, ...], layouts: list[Buc
                        itemsize=DTYPE_BYTES[group_dtype(spec, b.group)]) for b in layouts]
 
 
+def check_has_params(spec: ModelSpec) -> None:
+    if not spec.params:
+        raise PlanError("the model has no trainable parameters; give it at least one "
+                        "(or check requires_grad)")
+
+
 __all__ = ["BACKWARD", "STEP", "PlanOptions", "group_infos"]

@@ -54,7 +54,8 @@ def cut_buckets(names: list[str], numel: dict[str, int], limit: int) -> list[lis
     return out
 
 
-def plan_evenzero(spec: ModelSpec, world_size: int, options: PlanOptions = PlanOptions()) -> Plan:
+def plan_evenzero(spec: ModelSpec, world_size: int, options: PlanOptions | None = None) -> Plan:
+    options = options or PlanOptions()
     infos = group_infos(spec, world_size)
     numel = {p.name: p.numel for p in spec.params}
     buckets: list[Bucket] = []

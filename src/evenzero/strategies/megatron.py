@@ -1,0 +1,95 @@
+"""Megatron-core DDP with the distributed optimizer (shared/reference/peers.md §1).
+
+Per buffer (one per param group here: dense, and experts on their expert-DP group):
+
+* params are laid out in reverse registration order (`params[::-1]`, Megatron's
+  approximation of backward order), each param start rounded up to 64 elements;
+* a bucket closes *after* the param that makes `param_end - bucket_start >= bucket_size`,
+  so a param never straddles buckets;
+* the bucket end is padded to `lcm(W, 128)` so every rank's chunk is equal and aligned;
+* rank r owns the r-th contiguous slice of every bucket, cutting through params.
+
+Each bucket is one `reduce_scatter_tensor`, launched once every param in it has its
+gradient; the step all-gathers each bucket's params back. Unlike evenzero, Megatron keeps
+the whole gradient buffer allocated on every rank (ZeRO-1 gradient memory).
+"""
+
+from __future__ import annotations
+
+import math
+
+from evenzero.plan import BACKWARD, Bucket, Collective, GroupInfo, Plan, Slot, align_up
+from evenzero.spec import ModelSpec
+from evenzero.strategies.common import (
+    PlanOptions,
+    all_gathers,
+    check_has_params,
+    completion_order,
+    group_infos,
+    message_itemsize,
+)
+
+PARAM_START_ALIGNMENT = 64
+"""`_pad_start_of_param_if_needed`: elements each param start is rounded up to."""
+BUCKET_END_ALIGNMENT = 128
+"""`bucket_end_divisor`: a bucket ends on a multiple of lcm(W, this)."""
+
+
+def default_bucket_numel(group_size: int) -> int:
+    """`DistributedDataParallel.__init__`: larger DP needs larger buckets to stay
+    bandwidth-bound."""
+    return max(40_000_000, 1_000_000 * group_size)
+
+
+def bucket_end_divisor(group_size: int) -> int:
+    return math.lcm(group_size, BUCKET_END_ALIGNMENT)
+
+
+def group_buffer(spec: ModelSpec, info: GroupInfo, bucket_numel: int) -> list[Bucket]:
+    """The group's grad buffer cut into buckets; Slot offsets are bucket-relative."""
+    divisor = bucket_end_divisor(info.size)
+    buckets: list[Bucket] = []
+    slots: list[Slot] = []
+    bucket_start = param_start = param_end = 0
+    for p in reversed(spec.group_params(info.name)):
+        param_start = align_up(param_start, PARAM_START_ALIGNMENT)
+        param_end = param_start + p.numel
+        slots.append(Slot(p.name, param_start - bucket_start, p.numel))
+        param_start = param_end
+        if param_end - bucket_start >= bucket_numel:
+            bucket_end = align_up(param_end, divisor)
+            buckets.append(Bucket(info.name, len(buckets), bucket_end - bucket_start, tuple(slots)))
+            bucket_start = param_start = bucket_end
+            slots = []
+    if slots:
+        bucket_end = align_up(param_end, divisor)
+        buckets.append(Bucket(info.name, len(buckets), bucket_end - bucket_start, tuple(slots)))
+    return buckets
+
+
+def plan_megatron(spec: ModelSpec, world_size: int, options: PlanOptions | None = None) -> Plan:
+    options = options or PlanOptions()
+    check_has_params(spec)
+    infos = group_infos(spec, world_size)
+    buckets: list[Bucket] = []
+    notes = ["gradient buffer stays full-size on every rank (ZeRO-1 gradient memory); "
+             "only optimizer state is sharded"]
+    for info in infos:
+        limit = options.bucket_numel or default_bucket_numel(info.size)
+        buckets += group_buffer(spec, info, limit)
+    arrived = set(spec.arrival_order)
+    missing = [p.name for p in spec.params if p.name not in arrived]
+    if missing:
+        notes.append(f"{len(missing)} param(s) produce no gradient; their buckets are "
+                     f"reduced by finish_grad_sync after backward, not overlapped")
+    if options.round_robin:
+        notes.append("round_robin applies to DeepSpeed only; ignored")
+    size = {g.name: g.size for g in infos}
+    ordered = completion_order(spec, buckets)
+    backward = [Collective(BACKWARD, "reduce_scatter", b.group, size[b.group], None, b.index, 0,
+                           b.numel, itemsize=message_itemsize(spec, b.group, options))
+                for b in ordered]
+    # start_param_sync walks the bucket groups in buffer order, dense before expert.
+    step = all_gathers(spec, infos, buckets)
+    return Plan("megatron", world_size, infos, tuple(ordered), tuple(buckets),
+                tuple(backward + step), spec.arrival_order, tuple(notes))
