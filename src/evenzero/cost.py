@@ -1,0 +1,396 @@
+"""Alpha-beta cost model of collectives, and the predicted cost of a plan.
+
+A collective on a group of n ranks with a buffer of S bytes takes
+
+    t = alpha(n) + f(op, n) * S / busbw
+
+with S the full buffer (reduce-scatter input, all-gather output, all-reduce or reduce
+buffer) and f the nccl-tests bus factor: 2(n-1)/n for all-reduce, (n-1)/n for
+reduce-scatter and all-gather, 1 for reduce (shared/reference/nccl-costs.md §1). With this
+definition one reduce of S bytes and one reduce-scatter of S bytes cost the same bandwidth
+time, so what separates DeepSpeed's uneven reduces from one equal reduce-scatter is the
+number of calls times alpha: exactly what the model has to get right.
+
+An op has one or more variants (ring, tree, low-latency protocol); the model charges the
+cheapest variant that applies to the message size, as NCCL's tuner does (nccl-costs §2).
+Presets live in `evenzero.cost_presets`; `evenzero.calibrate` measures one.
+
+This module is planner-side: pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from evenzero.memory import MemoryEstimate, estimate_memory
+from evenzero.plan import BACKWARD, STEP, Collective, Plan
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "reduce")
+SCALINGS = ("flat", "ring", "tree")
+
+
+class CostModelError(ValueError):
+    """A bad cost-model parameter or preset; the message names the fix."""
+
+
+def bus_factor(op: str, group_size: int) -> float:
+    """nccl-tests' busbw/algbw factor: how many times S crosses the slowest link."""
+    n = group_size
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("reduce_scatter", "all_gather"):
+        return (n - 1) / n
+    if op == "reduce":
+        return 1.0
+    raise CostModelError(f"unknown collective op {op!r}; expected one of {', '.join(OPS)}")
+
+
+def bytes_sent_per_rank(op: str, group_size: int, nbytes: int) -> float:
+    """Bytes one rank puts on the wire for one call (ring algorithms).
+
+    Reduce is a ring chain: every rank but the root forwards S once, so a non-root rank
+    sends S; we charge S to every rank (the root's 0 is not the bottleneck)."""
+    if group_size <= 1:
+        return 0.0
+    return bus_factor(op, group_size) * nbytes
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One algorithm/protocol of an op, with its own latency and bandwidth."""
+
+    name: str
+    """Label shown in reports, e.g. "ring", "tree", "ring-ll", "nvls", "measured"."""
+    alpha_us: float
+    """Per-call latency in microseconds at the model's `reference_ranks`."""
+    busbw_gbs: float
+    """Bus bandwidth in GB/s (1e9 bytes), nccl-tests' definition."""
+    max_bytes: int | None = None
+    """Largest message (bytes) this variant is used for; None means any size."""
+    scaling: str = "flat"
+    """How alpha grows with group size: "flat" (constant), "ring" (one hop per rank,
+    network hops dearer) or "tree" (log2 of nodes), per nccl-costs §5.3."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.alpha_us, (int, float)) and self.alpha_us >= 0):
+            raise CostModelError(f"{self.name}.alpha_us must be a non-negative number, "
+                                 f"got {self.alpha_us!r}")
+        if not (isinstance(self.busbw_gbs, (int, float)) and self.busbw_gbs > 0):
+            raise CostModelError(f"{self.name}.busbw_gbs must be a positive number, "
+                                 f"got {self.busbw_gbs!r}")
+        if self.scaling not in SCALINGS:
+            raise CostModelError(f"{self.name}.scaling must be one of {', '.join(SCALINGS)}, "
+                                 f"got {self.scaling!r}")
+        if self.max_bytes is not None and self.max_bytes <= 0:
+            raise CostModelError(f"{self.name}.max_bytes must be positive or None")
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """The variants of one collective op; the cheapest applicable one is charged."""
+
+    variants: tuple[Variant, ...]
+    """At least one variant must have max_bytes=None so that every size has a price."""
+
+    def __post_init__(self) -> None:
+        if not any(v.max_bytes is None for v in self.variants):
+            raise CostModelError("every op needs one variant without max_bytes")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Latency and bandwidth of each collective op on one kind of cluster."""
+
+    name: str
+    """Preset name, shown in table titles."""
+    description: str
+    """What hardware the numbers describe."""
+    all_reduce: OpCost
+    """Costs of all_reduce."""
+    reduce_scatter: OpCost
+    """Costs of reduce_scatter (S = the full input)."""
+    all_gather: OpCost
+    """Costs of all_gather (S = the full output)."""
+    reduce: OpCost
+    """Costs of reduce (S = the buffer; NCCL runs it as a ring chain)."""
+    reference_ranks: int = 8
+    """Group size at which the variants' alpha_us hold; other sizes scale per `scaling`."""
+    gpus_per_node: int = 8
+    """Ranks per node, to count network hops when alpha scales with group size."""
+    base_us: float = 7.0
+    """Fixed part of a ring's latency (nccl-costs §5.3)."""
+    intra_step_us: float = 1.0
+    """Latency per intra-node ring step (NVLink), nccl-costs §5.3."""
+    inter_step_us: float = 3.5
+    """Latency per network ring step, nccl-costs §5.3."""
+    sources: str = ""
+    """Where the numbers come from."""
+
+    def op(self, name: str) -> OpCost:
+        if name not in OPS:
+            raise CostModelError(f"unknown collective op {name!r}; expected one of {', '.join(OPS)}")
+        return getattr(self, name)
+
+    def _shape_us(self, scaling: str, n: int) -> float:
+        """Latency shape of a ring or tree at group size n; only ratios of it are used."""
+        g = self.gpus_per_node
+        nodes = -(-n // g)
+        if scaling == "ring":
+            return self.base_us + (n - nodes) * self.intra_step_us + (nodes - 1) * self.inter_step_us
+        # NCCL's tree: chains inside a node, a log2 tree between nodes (tuning.cc).
+        return 6.8 + 2 * ((min(n, g) - 1) * 0.6 + math.log2(nodes) * 5.0)
+
+    def alpha_us(self, variant: Variant, group_size: int) -> float:
+        if variant.scaling == "flat" or group_size == self.reference_ranks:
+            return variant.alpha_us
+        ratio = self._shape_us(variant.scaling, group_size) / self._shape_us(
+            variant.scaling, self.reference_ranks)
+        return variant.alpha_us * ratio
+
+    def choose(self, op: str, group_size: int, nbytes: int) -> tuple[Variant | None, float]:
+        """(cheapest variant, seconds) for one call; a group of one rank costs nothing."""
+        if group_size <= 1:
+            return None, 0.0
+        f = bus_factor(op, group_size)
+        best: tuple[Variant | None, float] = (None, math.inf)
+        for v in self.op(op).variants:
+            if v.max_bytes is not None and nbytes > v.max_bytes:
+                continue
+            t = self.alpha_us(v, group_size) * 1e-6 + f * nbytes / (v.busbw_gbs * 1e9)
+            if t < best[1]:
+                best = (v, t)
+        return best
+
+    def time(self, op: str, group_size: int, nbytes: int) -> float:
+        """Seconds for one call of `op` over `group_size` ranks on `nbytes` bytes."""
+        return self.choose(op, group_size, nbytes)[1]
+
+    def replace(self, alpha_us: float | None = None, busbw_gbs: float | None = None) -> CostModel:
+        """Every variant of every op charges a flat `alpha_us` and/or uses `busbw_gbs`."""
+        updates: dict[str, Any] = {}
+        if alpha_us is not None:
+            updates["*.alpha_us"] = alpha_us
+            updates["*.scaling"] = "flat"
+        if busbw_gbs is not None:
+            updates["*.busbw_gbs"] = busbw_gbs
+        return self.with_params(updates)
+
+    def with_params(self, assignments: Mapping[str, Any]) -> CostModel:
+        """Override parameters by dotted key.
+
+        Keys: a model field (`reference_ranks`, `gpus_per_node`, `intra_step_us`, ...);
+        `OP.FIELD` for every variant of an op (`reduce.alpha_us`); `OP.VARIANT.FIELD` for
+        one variant (`all_reduce.tree.alpha_us`); `*` for OP means every op.
+        """
+        model = self
+        for key, raw in assignments.items():
+            model = model._assign(key, raw)
+        return model
+
+    def _assign(self, key: str, raw: Any) -> CostModel:
+        parts = key.split(".")
+        top = {f.name for f in fields(self)} - set(OPS) - {"name", "description", "sources"}
+        if len(parts) == 1:
+            if parts[0] not in top:
+                raise CostModelError(f"unknown cost parameter {key!r}; use one of {sorted(top)}, "
+                                     f"OP.FIELD or OP.VARIANT.FIELD")
+            return replace(self, **{parts[0]: _coerce(key, raw, type(getattr(self, parts[0])))})
+        if len(parts) not in (2, 3):
+            raise CostModelError(f"cost parameter {key!r} must look like OP.FIELD or OP.VARIANT.FIELD")
+        op_key, fname = parts[0], parts[-1]
+        variant_name = parts[1] if len(parts) == 3 else None
+        ops = OPS if op_key == "*" else (op_key,)
+        vfields = {"alpha_us": float, "busbw_gbs": float, "max_bytes": int, "scaling": str}
+        if fname not in vfields:
+            raise CostModelError(f"cost parameter {key!r}: field {fname!r} is not one of "
+                                 f"{', '.join(vfields)}")
+        value = _coerce(key, raw, vfields[fname])
+        updates = {}
+        for op in ops:
+            cost = self.op(op)
+            names = [v.name for v in cost.variants]
+            if variant_name is not None and variant_name not in names:
+                if op_key == "*":
+                    continue
+                raise CostModelError(f"cost parameter {key!r}: {op} has no variant "
+                                     f"{variant_name!r}; it has {', '.join(names)}")
+            variants = tuple(replace(v, **{fname: value})
+                             if variant_name in (None, v.name) else v for v in cost.variants)
+            updates[op] = OpCost(variants)
+        return replace(self, **updates)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)
+                               if f.name not in OPS}
+        for op in OPS:
+            out[op] = [{f.name: getattr(v, f.name) for f in fields(v)}
+                       for v in self.op(op).variants]
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CostModel:
+        if not isinstance(data, Mapping):
+            raise CostModelError("cost model JSON: expected an object")
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise CostModelError(f"cost model JSON: unknown key(s) {sorted(unknown)}")
+        missing = [op for op in (*OPS, "name") if op not in data]
+        if missing:
+            raise CostModelError(f"cost model JSON: missing key(s) {missing}")
+        kwargs: dict[str, Any] = {k: v for k, v in data.items() if k not in OPS}
+        kwargs.setdefault("description", "")
+        for op in OPS:
+            raw = data[op]
+            if not isinstance(raw, list) or not raw:
+                raise CostModelError(f"cost model JSON: {op} must be a non-empty list of variants")
+            try:
+                kwargs[op] = OpCost(tuple(Variant(**v) for v in raw))
+            except TypeError as e:
+                raise CostModelError(f"cost model JSON: {op}: {e}") from None
+        return cls(**kwargs)
+
+
+def _coerce(key: str, raw: Any, kind: type) -> Any:
+    if kind is str:
+        return str(raw)
+    if raw is None or (isinstance(raw, str) and raw.lower() == "none"):
+        return None
+    try:
+        value = kind(float(raw)) if kind is int else kind(raw)
+    except (TypeError, ValueError):
+        raise CostModelError(f"cost parameter {key!r}: {raw!r} is not a number") from None
+    return value
+
+
+# --------------------------------------------------------------------------- fitting
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One timed collective: the input to a fit."""
+
+    op: str
+    """Collective op."""
+    group_size: int
+    """Ranks in the group."""
+    nbytes: int
+    """Full buffer size S in bytes."""
+    seconds: float
+    """Time of one call (slowest rank)."""
+
+
+def fit_op(samples: Iterable[Sample], name: str = "measured") -> Variant:
+    """Least-squares fit of t = alpha + f*S/busbw over samples of one op and group size.
+
+    Residuals are relative (weights 1/t^2): the sizes span orders of magnitude and timing
+    noise is roughly proportional to the time, so an unweighted fit would let the largest
+    message alone decide alpha. Refuses a fit whose slope is not positive (times that do
+    not grow with size carry no bandwidth information); clamps a negative intercept to
+    zero and refits through the origin, since latency cannot be negative."""
+    pts = [(bus_factor(s.op, s.group_size) * s.nbytes, s.seconds) for s in samples]
+    if len({x for x, _ in pts}) < 2:
+        raise CostModelError("a fit needs at least two different message sizes")
+    if any(y <= 0 for _, y in pts):
+        raise CostModelError("a fit needs positive timings")
+    w = [1 / (y * y) for _, y in pts]
+    sw = sum(w)
+    sx = sum(wi * x for wi, (x, _) in zip(w, pts, strict=True))
+    sy = sum(wi * y for wi, (_, y) in zip(w, pts, strict=True))
+    sxx = sum(wi * x * x for wi, (x, _) in zip(w, pts, strict=True))
+    sxy = sum(wi * x * y for wi, (x, y) in zip(w, pts, strict=True))
+    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    alpha = (sy - slope * sx) / sw
+    if alpha < 0:
+        alpha, slope = 0.0, sxy / sxx
+    if slope <= 0:
+        raise CostModelError("timings did not grow with message size, so bandwidth cannot be "
+                             "fitted; sweep larger sizes (e.g. --sizes up to 4194304)")
+    return Variant(name, alpha * 1e6, 1e-9 / slope)
+
+
+# --------------------------------------------------------------------------- prediction
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """The predicted cost of one planned collective."""
+
+    collective: Collective
+    """The call."""
+    seconds: float
+    """Predicted time of the call."""
+    variant: str
+    """Variant charged ("" for a one-rank group)."""
+    bytes_sent: float
+    """Bytes one participating rank sends."""
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    """Predicted communication cost of one plan on one cost model."""
+
+    strategy: str
+    """The plan's strategy."""
+    cost_model: str
+    """Name of the cost model used."""
+    calls: tuple[CollectiveCost, ...]
+    """Every collective of the plan, in plan order, with its cost."""
+    memory: MemoryEstimate
+    """Gradient and optimizer memory per rank (see `evenzero.memory`)."""
+
+    def _phase(self, phase: str) -> tuple[CollectiveCost, ...]:
+        return tuple(c for c in self.calls if c.collective.phase == phase)
+
+    @property
+    def backward(self) -> tuple[CollectiveCost, ...]:
+        return self._phase(BACKWARD)
+
+    @property
+    def step(self) -> tuple[CollectiveCost, ...]:
+        return self._phase(STEP)
+
+    @property
+    def backward_seconds(self) -> float:
+        """Backward collectives issued serially on one stream, each paying its alpha."""
+        return sum(c.seconds for c in self.backward)
+
+    @property
+    def step_seconds(self) -> float:
+        return sum(c.seconds for c in self.step)
+
+    @property
+    def backward_bytes_per_rank(self) -> float:
+        return sum(c.bytes_sent for c in self.backward)
+
+    @property
+    def step_bytes_per_rank(self) -> float:
+        return sum(c.bytes_sent for c in self.step)
+
+    @property
+    def bytes_per_rank(self) -> float:
+        """Bytes one rank sends per optimizer step (backward + step collectives)."""
+        return self.backward_bytes_per_rank + self.step_bytes_per_rank
+
+
+def predict(plan: Plan, model: CostModel, bucket_numel: int | None = None) -> PlanCost:
+    """Cost every collective of `plan` on `model`, and estimate its memory per rank.
+
+    `bucket_numel` is the bucket size the plan was made with, if the user chose one
+    (DeepSpeed's IPG buffer has that size whatever the model).
+
+    Every rank takes part in each listed collective once (an expert group's call runs on
+    all its expert-data-parallel groups at the same time), so per-call bytes are per rank."""
+    calls = []
+    for c in plan.collectives:
+        variant, seconds = model.choose(c.op, c.group_size, c.nbytes)
+        calls.append(CollectiveCost(c, seconds, variant.name if variant else "",
+                                    bytes_sent_per_rank(c.op, c.group_size, c.nbytes)))
+    return PlanCost(plan.strategy, model.name, tuple(calls), estimate_memory(plan, bucket_numel))
+
+
+__all__ = ["OPS", "CollectiveCost", "CostModel", "CostModelError", "OpCost", "PlanCost", "Sample",
+           "Variant", "bus_factor", "bytes_sent_per_rank", "fit_op", "predict"]

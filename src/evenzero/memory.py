@@ -1,0 +1,108 @@
+"""Gradient and optimizer memory per rank, by strategy, from a plan alone.
+
+What is counted: gradients at rest after backward, communication buffers alive during
+backward ("in flight"), and optimizer memory (fp32 master weights + Adam's two fp32
+states). Model parameters, activations and allocator slack are not counted: they are the
+same for every ZeRO-1/2 strategy and would hide the differences.
+
+Assumptions, per strategy (shared/reference/peers.md and deepspeed-zero2.md):
+
+* evenzero: an fp32 gradient shard of 1/N of each layout (padding included) at rest; two
+  buckets in flight in the message dtype (one filling while the previous reduce-scatters).
+* deepspeed-0.6 / deepspeed: the partition's gradients in the message dtype at rest
+  (`averaged_gradients`), plus one IPG buffer of `reduce_bucket_size` elements, allocated
+  at its full size whatever the model (overlap_comm off, the ZeRO-2 default; on, it is 2).
+* megatron: the full, padded grad buffer stays allocated on every rank (the buffer is
+  the reduce-scatter input, in the message dtype), so ZeRO-1 memory; nothing extra in
+  flight because the reduce-scatter runs in place.
+* fsdp2: fp32 sharded gradients (padded per parameter, as the plan's layouts say) at rest;
+  one unit's reduce-scatter input in flight (the next one waits on it).
+* ddp: full gradients in the message dtype (`gradient_as_bucket_view=True`, so the
+  buckets are the gradients) and full optimizer state; a separate fp32 master copy only
+  when the message dtype is narrower than fp32.
+
+Every sharded strategy counts an fp32 master shard even for fp32 models, because the
+flat fp32 shard the optimizer steps on is a copy of the module's parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from evenzero.plan import BACKWARD, Plan
+
+FP32 = 4
+ADAM_STATE_BYTES = 8
+"""exp_avg and exp_avg_sq, fp32 each."""
+MASTER_BYTES = 4
+"""fp32 master copy of a parameter."""
+DEEPSPEED_REDUCE_BUCKET = 500_000_000
+"""DeepSpeed's default `reduce_bucket_size`, in elements."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank for gradients and optimizer state under one plan."""
+
+    grad_bytes: int
+    """Gradients at rest after backward."""
+    inflight_bytes: int
+    """Communication buffers alive during backward, on top of `grad_bytes`."""
+    optimizer_bytes: int
+    """fp32 master weights and Adam's two states for the elements this rank updates."""
+    basis: str
+    """One line on what was assumed for this strategy."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.grad_bytes + self.inflight_bytes + self.optimizer_bytes
+
+
+def _grad_itemsize(plan: Plan) -> dict[str, int]:
+    """Message dtype size per group, read off the backward collectives."""
+    out: dict[str, int] = {}
+    for c in plan.collectives:
+        if c.phase == BACKWARD:
+            out.setdefault(c.group, c.itemsize)
+    return out
+
+
+def estimate_memory(plan: Plan, bucket_numel: int | None = None) -> MemoryEstimate:
+    """Memory per rank for `plan`; `bucket_numel` is the user's bucket size, if given
+    (only DeepSpeed's estimate needs it: its IPG buffer is always that big)."""
+    itemsize = _grad_itemsize(plan)
+    size = {g.name: itemsize.get(g.name, FP32) for g in plan.groups}
+    full = sum(g.numel for g in plan.groups)
+    full_bytes = sum(g.numel * size[g.name] for g in plan.groups)
+    shard = sum(plan.shard_numel(g.name) for g in plan.groups)
+    shard_bytes = sum(plan.shard_numel(g.name) * size[g.name] for g in plan.groups)
+    padded_bytes = sum(b.numel * size[b.group] for b in plan.layouts)
+    widest = max(size.values(), default=FP32)
+    # A bucket may span groups (DeepSpeed's one IPG bucket): charge the widest dtype.
+    largest_bucket = max((b.numel * size.get(b.group, widest) for b in plan.buckets), default=0)
+    sharded_state = shard * (MASTER_BYTES + ADAM_STATE_BYTES)
+    name = plan.strategy
+    if name == "evenzero":
+        return MemoryEstimate(shard * FP32, 2 * largest_bucket, sharded_state,
+                              "fp32 grad shard + 2 buckets in flight; sharded master + Adam")
+    if name.startswith("deepspeed"):
+        numel = bucket_numel or DEEPSPEED_REDUCE_BUCKET
+        ipg = numel * widest
+        return MemoryEstimate(shard_bytes, ipg, sharded_state,
+                              f"partition grads + IPG buffer of {numel:,} elements; "
+                              f"sharded master + Adam")
+    if name == "megatron":
+        return MemoryEstimate(padded_bytes, 0, sharded_state,
+                              "full padded grad buffer; sharded master + Adam")
+    if name == "fsdp2":
+        return MemoryEstimate(shard * FP32, largest_bucket, sharded_state,
+                              "fp32 sharded padded grads + one unit's RS input; sharded master + Adam")
+    if name == "ddp" or not plan.sharded:
+        master = sum(g.numel * MASTER_BYTES for g in plan.groups if size[g.name] < FP32)
+        return MemoryEstimate(full_bytes, 0, full * ADAM_STATE_BYTES + master,
+                              "full grads (bucket views) + full Adam state")
+    return MemoryEstimate(shard_bytes, largest_bucket, sharded_state,
+                          f"generic sharded estimate (no memory model for {name!r})")
+
+
+__all__ = ["DEEPSPEED_REDUCE_BUCKET", "MemoryEstimate", "estimate_memory"]
