@@ -1,0 +1,177 @@
+"""`evenzero bench`: a dense GPT-style model trained side by side by every system.
+
+evenzero, the DeepSpeed-0.6 schedule in evenzero's runtime, torch DDP, PyTorch FSDP2 in
+ZeRO-2 mode (`reshard_after_forward=False`) and real DeepSpeed ZeRO-2, interleaved step
+by step on the same batches. Forward is timed too: FSDP2 gathers parameters in forward,
+evenzero and DeepSpeed in their step, so backward+step alone would flatter FSDP2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from evenzero.gptmodel import GPT_SIZES, GPTConfig
+
+SYSTEMS = ("evenzero", "deepspeed-0.6-schedule", "ddp", "fsdp2", "deepspeed",
+           "deepspeed-reduce-mode")
+DEFAULT_SYSTEMS = ("evenzero", "ddp", "fsdp2", "deepspeed")
+DEFAULT_BUCKET_NUMEL = 2**22
+"""4M elements (16 MiB): 15 buckets for the 59M model, so reductions overlap backward, as
+DDP's 25 MB buckets do. The runtime's default (>= 32M elements, sized for NCCL) would
+make two buckets of this model."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One side-by-side benchmark run."""
+
+    world_size: int = 4
+    """Local ranks. 4 by default: five copies of a 59M model on 8 ranks need > 24 GiB."""
+    steps: int = 6
+    """Measured steps per system."""
+    warmup: int = 2
+    """Untimed steps per system."""
+    model: GPTConfig = field(default_factory=lambda: GPT_SIZES["bench-50m"])
+    """Decoder shape."""
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS
+    bucket_numel: int | None = DEFAULT_BUCKET_NUMEL
+    """evenzero bucket size in elements; None = the runtime's default."""
+    backend: str = "auto"
+    timeout_s: float = 1800.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-size", type=int, default=4, help="local ranks (default 4)")
+    parser.add_argument("--steps", type=int, default=6, help="measured steps (default 6)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
+    parser.add_argument("--model", default="bench-50m", choices=sorted(GPT_SIZES),
+                        help="decoder size (default bench-50m, 59M params)")
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                        help=f"comma-separated subset of {', '.join(SYSTEMS)}")
+    parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL,
+                        help=f"evenzero bucket size in elements (default {DEFAULT_BUCKET_NUMEL}; "
+                             f"0 = the runtime's default)")
+    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
+    parser.add_argument("--json", type=Path, help="write the results here")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not systems:
+        raise ValueError(f"--systems: unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
+    if args.bucket_numel < 0:
+        raise ValueError("--bucket-numel must be a positive number of elements, or 0")
+    return BenchConfig(args.world_size, args.steps, args.warmup, GPT_SIZES[args.model], systems,
+                       args.bucket_numel or None, args.backend)
+
+
+def main(args: argparse.Namespace) -> int:
+    from evenzero.localrun import LaunchError, LaunchOptions, launch
+
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        report = launch(bench_worker, config,
+                        LaunchOptions(config.world_size, config.backend, config.timeout_s))
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print_bench(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def bench_worker(ctx, config: BenchConfig) -> dict[str, Any]:
+    from evenzero.collective_capture import record
+    from evenzero.gptmodel import gpt_batch
+    from evenzero.sidebyside import InterleaveOptions, run_interleaved
+
+    systems, skipped = dense_systems(ctx, config)
+    results = run_interleaved(
+        systems, lambda step: gpt_batch(config.model, step, ctx.rank, ctx.world_size),
+        InterleaveOptions(config.steps, config.warmup, ctx.device, time_forward=True),
+        on_step=lambda name, step: ctx.emit((name, step)))
+    return {
+        "world_size": ctx.world_size, "backend": ctx.backend, "config": dataclasses.asdict(config),
+        "numel": config.model.numel(),
+        "systems": [{"name": r.name, "median_step_ms": r.median_step_ms, "step_ms": r.step_ms,
+                     "losses": r.losses,
+                     "backward_collectives": [record(c) for c in r.backward_collectives()]}
+                    for r in results],
+        "skipped": skipped,
+    }
+
+
+def dense_systems(ctx, config: BenchConfig) -> tuple[list, list[dict]]:
+    """Each requested system around its own copy of the same GPT."""
+    from evenzero.baselines import DDPSystem, FSDP2System
+    from evenzero.deepspeed_runner import DeepSpeedSystem, deepspeed_unavailable
+    from evenzero.gptmodel import GPT, blocks, gpt_loss
+    from evenzero.sidebyside import EvenzeroSystem
+
+    def model():
+        return GPT(config.model).to(ctx.device)
+
+    systems, skipped = [], []
+    for name in config.systems:
+        if name in ("evenzero", "deepspeed-0.6-schedule"):
+            systems.append(EvenzeroSystem(
+                name, model(), gpt_loss, strategy="evenzero" if name == "evenzero" else "deepspeed-0.6",
+                bucket_numel=config.bucket_numel if name == "evenzero" else None))
+        elif name == "ddp":
+            systems.append(DDPSystem(model(), gpt_loss))
+        elif name == "fsdp2":
+            systems.append(FSDP2System(model(), gpt_loss, blocks))
+        else:
+            reason = deepspeed_unavailable()
+            if reason is not None:
+                skipped.append({"name": name, "reason": f"DeepSpeed is not importable ({reason})"})
+                continue
+            systems.append(DeepSpeedSystem(name, model(), gpt_loss,
+                                           micro_batch=config.model.batch_per_rank,
+                                           multi_rank_allreduce=(name == "deepspeed")))
+    return systems, skipped
+
+
+def print_bench(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from evenzero.reproreport import condensed, max_rel_diff
+
+    console = Console(width=max(Console().width, 130))
+    systems = report["systems"]
+    ref = next((s for s in systems if s["name"] == "evenzero"), None)
+    t = Table(title=f"GPT {report['numel']:,} params, {report['world_size']} ranks "
+                    f"({report['backend']}): forward+backward+step, slowest rank")
+    for col in ("system", "median ms", "min", "max", "x evenzero", "backward calls",
+                "message sizes", "loss diff vs evenzero"):
+        t.add_column(col, justify="left" if col in ("system", "message sizes") else "right")
+    for s in systems:
+        calls = s["backward_collectives"]
+        ratio = s["median_step_ms"] / ref["median_step_ms"] if ref else float("nan")
+        diff = max_rel_diff(s["losses"], ref["losses"]) if ref else float("nan")
+        t.add_row(s["name"], f"{s['median_step_ms']:.0f}", f"{min(s['step_ms']):.0f}",
+                  f"{max(s['step_ms']):.0f}", f"{ratio:.2f}", str(len(calls)),
+                  _clipped(condensed([c["numel"] for c in calls]), 60), f"{diff:.1e}")
+    console.print(t)
+    for s in report.get("skipped", []):
+        console.print(f"skipped {s['name']}: {s['reason']}")
+
+
+def _clipped(text: str, width: int) -> str:
+    if len(text) <= width:
+        return text
+    return text[:text.rfind(", ", 0, width)] + ", ..."

@@ -1,0 +1,234 @@
+"""What a checkpoint takes from, and puts back into, a running `ZeroOptimizer`.
+
+This is the only checkpoint module that knows the optimizer's shape: one inner torch
+param group per plan group (in `plan.groups` order) whose single parameter is the
+group's flat fp32 master shard, optimizer state shaped like that shard, and the model
+whose trainable parameters are re-gathered from the masters after a load. Everything a
+load will write is first staged in a `StagedState`, so a load either changes the whole
+state or nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from evenzero.checkpoint_compat import LocalModel, LocalParam
+from evenzero.checkpoint_format import MASTER, CheckpointError, StoredTensor, storage_name
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """This process's place among the ranks that write and agree on one checkpoint."""
+
+    rank: int
+    """Rank in the optimizer's data-parallel world."""
+    world_size: int
+    device: torch.device
+    """Where small agreement tensors live (the CUDA device under NCCL)."""
+    group: Any
+    """The optimizer's data-parallel world process group (None without torch.distributed)."""
+    ep_ranks: Mapping[str, int]
+    """Plan group -> which copy of the group's parameters this rank holds: the index of
+    its (expert-)data-parallel process group among all of them, ordered by lowest rank.
+    Under DeepSpeed's layout ({r % E + kE}) that is r % E, the expert-parallel rank;
+    it stays the same when the data-parallel size changes."""
+
+    @staticmethod
+    def of(opt: Any) -> RankPlace:
+        if not (dist.is_available() and dist.is_initialized()):
+            return RankPlace._check(opt, RankPlace(0, 1, torch.device("cpu"), None,
+                                                   {g.name: 0 for g in opt.plan.groups}))
+        world = _world_group(opt)
+        backend = str(dist.get_backend(world))
+        device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend
+                  else torch.device("cpu"))
+        rank, size = dist.get_rank(world), dist.get_world_size(world)
+        RankPlace._check(opt, RankPlace(rank, size, device, world, {}))
+        return RankPlace(rank, size, device, world, _ep_ranks(opt, world, size, device))
+
+    @staticmethod
+    def _check(opt: Any, place: RankPlace) -> RankPlace:
+        if place.world_size != opt.plan.world_size:
+            raise CheckpointError(f"the optimizer was planned for {opt.plan.world_size} ranks but "
+                                  f"its process group has {place.world_size}")
+        return place
+
+
+def _world_group(opt: Any) -> Any:
+    """The optimizer's data-parallel world (None: the default group)."""
+    return getattr(opt, "world_group", None)
+
+
+def _ep_ranks(opt: Any, world: Any, size: int, device: torch.device) -> dict[str, int]:
+    """One all-gather of each group's lowest member; a collective over the world."""
+    groups = opt.plan.groups
+    lowest = []
+    for g in groups:
+        if g.expert_parallel_size == 1:
+            lowest.append(0)
+            continue
+        members = dist.get_process_group_ranks(opt.process_group(g.name))
+        # Process groups list global ranks; the world group may be a subgroup.
+        world_ranks = dist.get_process_group_ranks(world) if world is not None else range(size)
+        lowest.append(min(list(world_ranks).index(m) for m in members))
+    mine = torch.tensor(lowest, dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(every, mine, group=world)
+    table = torch.stack(every).cpu()
+    out = {}
+    for i, g in enumerate(groups):
+        distinct = sorted(set(table[:, i].tolist()))
+        if len(distinct) != g.expert_parallel_size:
+            raise CheckpointError(f"group {g.name!r}: {len(distinct)} distinct process groups "
+                                  f"over the ranks, expected {g.expert_parallel_size}")
+        out[g.name] = distinct.index(lowest[i])
+    return out
+
+
+@dataclass(frozen=True)
+class GroupPlace:
+    """This rank's coordinates in one plan group."""
+
+    local_rank: int
+    """Rank inside the group's (expert-)data-parallel process group."""
+    ep_rank: int
+    """Which copy of the group's parameters this rank holds (0 for dense groups)."""
+    expert_parallel_size: int
+
+    def storage(self) -> Callable[[str], str]:
+        return lambda name: storage_name(name, self.expert_parallel_size, self.ep_rank)
+
+
+def group_place(opt: Any, place: RankPlace, group: str) -> GroupPlace:
+    e = opt.plan.group(group).expert_parallel_size
+    return GroupPlace(int(opt.group_rank(group)), place.ep_ranks[group], e)
+
+
+def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def inner_group(opt: Any, index: int, group: str) -> tuple[dict[str, Any], torch.Tensor]:
+    """The inner torch param group of plan group `group`, and its master shard."""
+    groups = opt.optimizer.param_groups
+    master = opt.master_shard(group)
+    if index >= len(groups) or len(groups[index]["params"]) != 1 \
+            or groups[index]["params"][0] is not master:
+        raise CheckpointError(f"optimizer param group {index} does not hold the master shard of "
+                              f"plan group {group!r}; the runtime and checkpoint disagree")
+    return groups[index], master
+
+
+def group_state(opt: Any, index: int, group: str) -> tuple[dict[str, torch.Tensor],
+                                                           dict[str, Any], dict[str, Any]]:
+    """(shard-shaped tensors incl. the master, scalar state, hyperparameters) of a group."""
+    pg, master = inner_group(opt, index, group)
+    if master.dtype != torch.float32:
+        raise CheckpointError(f"master weights of group {group!r} are {master.dtype}; evenzero "
+                              f"checkpoints store fp32 masters (use master_dtype=torch.float32)")
+    flats = {MASTER: master}
+    scalars = {}
+    for key, value in opt.optimizer.state.get(master, {}).items():
+        if isinstance(value, torch.Tensor) and value.shape == master.shape:
+            if value.dtype != torch.float32:
+                raise CheckpointError(f"optimizer state {key!r} of group {group!r} is "
+                                      f"{value.dtype}; evenzero checkpoints store fp32 state")
+            flats[key] = value
+        else:
+            scalars[key] = value
+    hyper = {k: v for k, v in pg.items() if k != "params"}
+    return flats, scalars, hyper
+
+
+def trainable_names(opt: Any) -> dict[str, torch.nn.Parameter]:
+    """Plan parameters by name, as the module holds them."""
+    named = dict(opt.module.named_parameters())
+    return {s.name: named[s.name] for b in opt.plan.layouts for s in b.params}
+
+
+def extra_tensors(opt: Any) -> dict[str, torch.Tensor]:
+    """Model state that evenzero does not train: buffers, frozen and empty parameters.
+
+    Aliases of trained parameters (tied weights) are left out; they are restored with
+    the parameter they alias.
+    """
+    trained = {id(p) for p in trainable_names(opt).values()}
+    aliases = {n for n, p in opt.module.named_parameters(remove_duplicate=False) if id(p) in trained}
+    return {n: t for n, t in opt.module.state_dict(keep_vars=True).items()
+            if isinstance(t, torch.Tensor) and n not in aliases}
+
+
+def local_model(opt: Any, place: RankPlace) -> LocalModel:
+    named = trainable_names(opt)
+    params = []
+    ep_size, hyper_keys, state_keys = {}, {}, {}
+    for index, g in enumerate(opt.plan.groups):
+        ep_size[g.name] = g.expert_parallel_size
+        pg, master = inner_group(opt, index, g.name)
+        hyper_keys[g.name] = frozenset(k for k in pg if k != "params")
+        state_keys[g.name] = frozenset(opt.optimizer.state.get(master, {}))
+    for b in opt.plan.layouts:
+        for s in b.params:
+            p = named[s.name]
+            params.append(LocalParam(s.name, b.group, tuple(p.shape), dtype_name(p.dtype)))
+    extras = tuple(StoredTensor(n, tuple(t.shape), dtype_name(t.dtype))
+                   for n, t in extra_tensors(opt).items())
+    return LocalModel(tuple(params), ep_size, place.ep_ranks, optimizer_class(opt.optimizer),
+                      hyper_keys, state_keys, extras)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class StagedState:
+    """Everything a load writes, read and checked in full before anything is written."""
+
+    masters: dict[str, torch.Tensor]
+    """Plan group -> new flat fp32 master shard (zeros in padding)."""
+    states: dict[str, dict[str, torch.Tensor]]
+    """Plan group -> shard-shaped optimizer state by key."""
+    scalars: dict[str, dict[str, Any]]
+    """Plan group -> scalar optimizer state (Adam's `step`), decoded."""
+    hyperparameters: dict[str, dict[str, Any]]
+    """Plan group -> torch param-group options (lr, betas, ...), decoded."""
+    extras: Mapping[str, torch.Tensor]
+    """Buffers and frozen parameters by state-dict name."""
+    loss_scaler: Any
+    """Loss-scaler state dict, or None to leave the scaler as it is."""
+    step_count: int | None
+    """New optimizer step counter, or None to leave it."""
+
+
+def apply(opt: Any, staged: StagedState) -> None:
+    """Write a staged state into the optimizer and model; cannot fail half-way on input."""
+    inner_state: dict[int, dict[str, Any]] = {}
+    inner_groups = []
+    with torch.no_grad():
+        for index, g in enumerate(opt.plan.groups):
+            pg, master = inner_group(opt, index, g.name)
+            master.copy_(staged.masters[g.name])
+            state = {**staged.states[g.name], **staged.scalars[g.name]}
+            if state:
+                inner_state[index] = state
+            inner_groups.append({**pg, **staged.hyperparameters[g.name], "params": [index]})
+        # torch's own loader casts state to each master's device and dtype (step stays as
+        # saved unless the optimizer is capturable or fused), exactly as a resumed torch
+        # optimizer would be.
+        opt.optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+        if staged.extras:
+            current = extra_tensors(opt)
+            for name, value in staged.extras.items():
+                current[name].copy_(value)
+    if staged.loss_scaler is not None and getattr(opt, "loss_scaler", None) is not None:
+        opt.loss_scaler.load_state_dict(staged.loss_scaler)
+    if staged.step_count is not None:
+        opt.step_count = staged.step_count
+    opt.sync_params_from_master()

@@ -1,0 +1,272 @@
+"""Leaving evenzero and arriving: whole-model state dicts in plain PyTorch formats.
+
+`export_consolidated(opt, path)` writes what a single-process job would hold:
+
+* `model.safetensors`: `module.state_dict()` with every trained parameter whole;
+* `optimizer.pt`: a torch optimizer state dict keyed by parameter name, the format of
+  `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` (load it into a
+  plain optimizer with `set_optimizer_state_dict(model, optimizer, osd)`);
+* `master-fp32.safetensors`, only when some parameter is stored below fp32: the fp32
+  master weights, which the lower-precision model state cannot hold.
+
+With expert groups (E > 1) the module on a rank holds only its expert-parallel rank's
+experts, so there is one such set per distinct module, in `ep-<e>/` (`ep-<e1>-<e2>/`
+with several expert groups), written by the rank that is rank 0 of its expert
+data-parallel groups; a rank imports the directory of its own expert-parallel rank.
+
+`import_consolidated` / `load_consolidated_state_dict` go the other way, from those
+files or from in-memory state dicts: a torch optimizer state dict keyed by name, or by
+position (the usual format, positions as in `module.parameters()`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from evenzero.checkpoint_agree import agree, attempt
+from evenzero.checkpoint_format import MASTER, CheckpointError
+from evenzero.checkpoint_state import (
+    RankPlace,
+    StagedState,
+    apply,
+    extra_tensors,
+    group_place,
+    group_state,
+    inner_group,
+    trainable_names,
+)
+from evenzero.reshard import fill_shard, scatter_shard
+
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+MASTER_FILE = "master-fp32.safetensors"
+
+
+def consolidated_state_dict(opt: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any],
+                                               dict[str, torch.Tensor]]:
+    """(model state dict, optimizer state dict keyed by name, fp32 masters) of this rank's
+    module, whole and on the CPU. A collective over every group's process group."""
+    named = trainable_names(opt)
+    masters: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, Any]] = {}
+    param_groups = []
+    order = {n: i for i, (n, _) in enumerate(opt.module.named_parameters())}
+    for index, g in enumerate(opt.plan.groups):
+        flats, scalars, hyper = group_state(opt, index, g.name)
+        whole = {kind: {s.name: torch.empty(s.numel, dtype=torch.float32)
+                        for b in opt.plan.group_layouts(g.name) for s in b.params}
+                 for kind in flats}
+        for kind, flat in flats.items():
+            for source, shard in enumerate(_gather(opt, g.name, g.size, flat)):
+                scatter_shard(opt.plan.shard_ranges(g.name, source), shard,
+                              whole[kind].__getitem__)
+        names = sorted(whole[MASTER], key=order.__getitem__)
+        for name in names:
+            shape = named[name].shape
+            masters[name] = whole[MASTER][name].reshape(shape)
+            entry = {k: whole[k][name].reshape(shape) for k in flats if k != MASTER}
+            if entry or scalars:
+                state[name] = {**entry, **{k: _copy(v) for k, v in scalars.items()}}
+        param_groups.append({**hyper, "params": names})
+    model = {}
+    for name, t in opt.module.state_dict(keep_vars=True).items():
+        if isinstance(t, torch.Tensor):
+            source = masters.get(name)
+            model[name] = (source.to(t.dtype) if source is not None
+                           else t.detach().to("cpu", copy=True))
+    # Tied aliases are in the state dict under their own names; give them the master too.
+    for alias, p in opt.module.named_parameters(remove_duplicate=False):
+        for name, q in named.items():
+            if q is p and alias != name:
+                model[alias] = model[name]
+    return model, {"state": state, "param_groups": param_groups}, masters
+
+
+def _gather(opt: Any, group: str, size: int, flat: torch.Tensor) -> list[torch.Tensor]:
+    if size == 1:
+        return [flat.detach().cpu()]
+    parts = [torch.empty_like(flat) for _ in range(size)]
+    dist.all_gather(parts, flat.detach().contiguous(), group=opt.process_group(group))
+    return [p.cpu() for p in parts]
+
+
+def _copy(v: Any) -> Any:
+    return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+
+def expert_view(opt: Any, place: RankPlace) -> tuple[str | None, bool]:
+    """(sub-directory of this rank's module, or None without experts; whether it writes)."""
+    experts = [g for g in opt.plan.groups if g.expert_parallel_size > 1]
+    if not experts:
+        return None, place.rank == 0
+    label = "ep-" + "-".join(str(place.ep_ranks[g.name]) for g in experts)
+    return label, all(opt.group_rank(g.name) == 0 for g in experts)
+
+
+def export_consolidated(opt: Any, path: str | os.PathLike) -> Path:
+    """Write the plain-PyTorch files (see the module docstring); a collective."""
+    place = RankPlace.of(opt)
+    root = Path(path)
+    model, optim, masters = consolidated_state_dict(opt)
+    label, writes = expert_view(opt, place)
+    here = root if label is None else root / label
+
+    def write() -> None:
+        from safetensors.torch import save_file
+
+        here.mkdir(parents=True, exist_ok=True)
+        # safetensors refuses tensors that share storage (tied weights): store copies.
+        save_file({k: v.contiguous().clone() for k, v in model.items()}, here / MODEL_FILE)
+        torch.save(optim, here / OPTIMIZER_FILE)
+        if any(p.dtype != torch.float32 for p in trainable_names(opt).values()):
+            save_file({k: v.contiguous() for k, v in masters.items()}, here / MASTER_FILE)
+
+    _, err = attempt(write) if writes else (None, None)
+    agree(place, err, f"exporting to {here}")
+    return root
+
+
+def import_consolidated(opt: Any, path: str | os.PathLike, optimizer_state: bool = True) -> None:
+    """Load files written by `export_consolidated` (or by hand in the same layout)."""
+    place = RankPlace.of(opt)
+    label, _ = expert_view(opt, place)
+    here = Path(path) if label is None else Path(path) / label
+
+    def read() -> tuple[dict, dict | None]:
+        from safetensors.torch import load_file
+
+        if not (here / MODEL_FILE).exists():
+            raise CheckpointError(f"{here / MODEL_FILE}: missing; export_consolidated() writes it")
+        model = load_file(str(here / MODEL_FILE))
+        if (here / MASTER_FILE).exists():
+            model.update(load_file(str(here / MASTER_FILE)))
+        optim = None
+        if optimizer_state:
+            try:
+                optim = torch.load(here / OPTIMIZER_FILE, weights_only=True)
+            except FileNotFoundError:
+                raise CheckpointError(f"{here / OPTIMIZER_FILE}: missing; pass "
+                                      f"optimizer_state=False to load the model only") from None
+        return model, optim
+
+    loaded, err = attempt(read)
+    agree(place, err, f"reading {here}")
+    load_consolidated_state_dict(opt, *loaded)
+
+
+def load_consolidated_state_dict(opt: Any, model: dict[str, torch.Tensor],
+                                 optimizer: dict[str, Any] | None = None) -> None:
+    """Set masters, optimizer state and model from whole-model state dicts; a collective.
+
+    Without `optimizer` the optimizer state is cleared (a fresh start from the weights).
+    """
+    place = RankPlace.of(opt)
+    staged, err = attempt(lambda: _stage(opt, place, model, optimizer))
+    agree(place, err, "importing a consolidated state dict")
+    apply(opt, staged)
+
+
+def _stage(opt: Any, place: RankPlace, model: dict[str, torch.Tensor],
+           optimizer: dict[str, Any] | None) -> StagedState:
+    named = trainable_names(opt)
+    for name, p in named.items():
+        t = model.get(name)
+        if t is None:
+            raise CheckpointError(f"model state dict has no parameter {name!r}; it is from a "
+                                  f"different model")
+        if tuple(t.shape) != tuple(p.shape):
+            raise CheckpointError(f"parameter {name!r} has shape {list(t.shape)} in the state "
+                                  f"dict but {list(p.shape)} here")
+    extras = {}
+    for name, t in extra_tensors(opt).items():
+        if name not in model or tuple(model[name].shape) != tuple(t.shape):
+            raise CheckpointError(f"model state dict lacks {name!r} of shape {list(t.shape)} "
+                                  f"(buffer or frozen parameter)")
+        extras[name] = model[name]
+    by_name = _state_by_name(opt, optimizer) if optimizer is not None else None
+    staged = StagedState({}, {}, {}, {}, extras, None, None)
+    for index, g in enumerate(opt.plan.groups):
+        gp = group_place(opt, place, g.name)
+        ranges = opt.plan.shard_ranges(g.name, gp.local_rank)
+        numel = opt.plan.shard_numel(g.name)
+        staged.masters[g.name] = fill_shard(ranges, numel, lambda n: model[n].float())
+        pg, _ = inner_group(opt, index, g.name)
+        names = [s.name for b in opt.plan.group_layouts(g.name) for s in b.params]
+        hyper = {k: v for k, v in pg.items() if k != "params"}
+        states, scalars = {}, {}
+        if by_name is not None:
+            shapes = {n: tuple(named[n].shape) for n in names}
+            states, scalars, hyper = _group_from(by_name, names, shapes, g.name, hyper, ranges,
+                                                 numel)
+        staged.states[g.name], staged.scalars[g.name] = states, scalars
+        staged.hyperparameters[g.name] = hyper
+    return staged
+
+
+def _state_by_name(opt: Any, sd: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer state dict with positions replaced by parameter names."""
+    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+        raise CheckpointError("optimizer state dict must have 'state' and 'param_groups'")
+    order = [n for n, _ in opt.module.named_parameters()]
+
+    def name_of(key: Any) -> str:
+        if isinstance(key, str):
+            return key
+        if isinstance(key, int) and 0 <= key < len(order):
+            return order[key]
+        raise CheckpointError(f"optimizer state refers to parameter {key!r}, which is neither a "
+                              f"name nor a position in module.parameters() (0..{len(order) - 1})")
+
+    groups = [{**g, "params": [name_of(k) for k in g["params"]]} for g in sd["param_groups"]]
+    return {"state": {name_of(k): v for k, v in sd["state"].items()}, "param_groups": groups}
+
+
+def _group_from(sd: dict[str, Any], names: list[str], shapes: dict[str, tuple[int, ...]],
+                group: str, hyper_now: dict[str, Any], ranges: Any,
+                numel: int) -> tuple[dict, dict, dict]:
+    """(shard state, scalars, hyperparameters) of one plan group from a by-name state dict."""
+    holders = [g for g in sd["param_groups"] if set(names) & set(g["params"])]
+    if not holders:
+        raise CheckpointError(f"optimizer state dict has no param group with the parameters of "
+                              f"group {group!r} (e.g. {names[0]!r})")
+    hyper = {k: v for k, v in holders[0].items() if k != "params"}
+    for h in holders[1:]:
+        if {k: v for k, v in h.items() if k != "params"} != hyper:
+            raise CheckpointError(f"parameters of group {group!r} are in optimizer param groups "
+                                  f"with different options; evenzero has one set per group")
+    if set(hyper) != set(hyper_now):
+        raise CheckpointError(f"optimizer options {sorted(set(hyper) ^ set(hyper_now))} differ "
+                              f"between the state dict and this optimizer (group {group!r})")
+    per = {n: sd["state"].get(n, {}) for n in names}
+    keys = {n: frozenset(s) for n, s in per.items()}
+    first = names[0]
+    for n in names:
+        if keys[n] != keys[first]:
+            raise CheckpointError(f"optimizer state of {n!r} has keys {sorted(keys[n])} but "
+                                  f"{first!r} has {sorted(keys[first])}; a group must step together")
+    states, scalars = {}, {}
+    for key in sorted(keys[first]):
+        v = per[first][key]
+        # torch's optimizers keep one scalar per parameter, `step`; anything else shaped
+        # like every parameter is per-element state and is sharded like the master.
+        if key != "step" and all(isinstance(per[n][key], torch.Tensor)
+                                 and tuple(per[n][key].shape) == shapes[n] for n in names):
+            states[key] = fill_shard(ranges, numel, lambda n, key=key: per[n][key].float())
+            continue
+        for n in names:
+            if not _same(per[n][key], v):
+                raise CheckpointError(f"optimizer state {key!r} of {n!r} differs from {first!r} "
+                                      f"({per[n][key]} vs {v}); evenzero keeps one per group")
+        scalars[key] = _copy(v)
+    return states, scalars, hyper
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
+    return a == b

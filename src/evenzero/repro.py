@@ -1,0 +1,242 @@
+"""`evenzero repro`: the DeepSpeed #3151 seed case, trained for real, side by side.
+
+One local job of W ranks builds the seed model (fc1, fc2, a 16-expert top-1 MoE at
+expert-parallel size 4) and trains it with, interleaved step by step:
+
+1. `evenzero`: evenzero ZeRO-2, one equal reduce-scatter per bucket;
+2. `deepspeed-0.6-schedule`: DeepSpeed 0.6's reduce schedule executed by evenzero's
+   runtime (the 13 uneven reduces of the report, plus the gate's, which our hooks keep);
+3. `ddp`: torch DDP on the dense params, expert grads all-reduced over the EDP group;
+4. `deepspeed` and `deepspeed-reduce-mode`: real DeepSpeed ZeRO-2, default config and
+   `use_multi_rank_bucket_allreduce: false`, when DeepSpeed is importable.
+
+It prints the backward collectives each system actually issued, the seed table, the
+backward+step time per system, and the losses (1-3 must agree to 1e-5 relative).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from evenzero.seedmodel import SeedModelConfig
+
+SYSTEMS = ("evenzero", "deepspeed-0.6-schedule", "ddp", "deepspeed", "deepspeed-reduce-mode")
+EXACT_SYSTEMS = ("evenzero", "deepspeed-0.6-schedule", "ddp")
+"""Systems whose math is identical (same MoE module, same AdamW), so losses must agree."""
+LOSS_RTOL = 1e-5
+DEFAULT_BUCKET_NUMEL = 2**20
+"""1M elements (4 MiB): five buckets for the seed model, so reductions overlap backward.
+The runtime's own default (>= 32M elements) is sized for NCCL; on this 10M-parameter
+model it makes one bucket per group, nothing overlaps, and on 8 CPU ranks a step took
+973 ms instead of 549 ms (torch.profiler figures in BENCHMARKS.md)."""
+
+
+@dataclass(frozen=True)
+class ReproConfig:
+    """Everything one `evenzero repro` run needs; travels to every rank."""
+
+    world_size: int = 8
+    """Local ranks."""
+    steps: int = 8
+    """Measured steps per system."""
+    warmup: int = 2
+    """Untimed steps per system before the measured ones."""
+    model: SeedModelConfig = field(default_factory=SeedModelConfig)
+    """Seed model shape (the report's at the defaults)."""
+    systems: tuple[str, ...] = SYSTEMS
+    """Which systems to train, by name."""
+    bucket_numel: int | None = DEFAULT_BUCKET_NUMEL
+    """evenzero bucket size in elements; None = the runtime's default."""
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    backend: str = "auto"
+    """gloo, nccl, or auto (NCCL when >= world_size GPUs are visible)."""
+    timeout_s: float = 1200.0
+    """Wall-clock limit for the whole job."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world-size", type=int, default=8, help="local ranks (default 8)")
+    parser.add_argument("--steps", type=int, default=8, help="measured steps per system (default 8)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
+    parser.add_argument("--json", type=Path, help="write collectives, times and losses here")
+    parser.add_argument("--plot", type=Path, help="write message sizes and step times as a PNG")
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help=f"comma-separated subset of {', '.join(SYSTEMS)}")
+    parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL,
+                        help=f"evenzero bucket size in elements (default {DEFAULT_BUCKET_NUMEL}; "
+                             f"0 = the runtime's default)")
+    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                        help="process-group backend (default: NCCL if enough GPUs, else gloo)")
+    # Small shapes for tests and quick looks; the defaults are the report's model.
+    parser.add_argument("--dim", type=int, default=1000, help=argparse.SUPPRESS)
+    parser.add_argument("--experts", type=int, default=16, help=argparse.SUPPRESS)
+    parser.add_argument("--ep-size", type=int, default=4, help=argparse.SUPPRESS)
+    parser.add_argument("--tokens", type=int, default=32, help=argparse.SUPPRESS)
+    parser.add_argument("--timeout", type=float, default=1200.0, help=argparse.SUPPRESS)
+
+
+def config_from_args(args: argparse.Namespace) -> ReproConfig:
+    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not systems:
+        raise ValueError(f"--systems: unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
+    if args.steps < 1 or args.warmup < 0:
+        raise ValueError("--steps must be at least 1 and --warmup at least 0")
+    model = SeedModelConfig(dim=args.dim, num_experts=args.experts, ep_size=args.ep_size,
+                            tokens_per_rank=args.tokens)
+    model.check(args.world_size)
+    if args.bucket_numel < 0:
+        raise ValueError(f"--bucket-numel must be a positive number of elements (or 0 for the "
+                         f"runtime's default), got {args.bucket_numel}")
+    return ReproConfig(world_size=args.world_size, steps=args.steps, warmup=args.warmup,
+                       model=model, systems=systems, bucket_numel=args.bucket_numel or None,
+                       backend=args.backend, timeout_s=args.timeout)
+
+
+def main(args: argparse.Namespace) -> int:
+    from evenzero import reproreport
+    from evenzero.localrun import LaunchError
+
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        report = run(config, progress=True)
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    ok = reproreport.print_report(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    if args.plot:
+        reproreport.plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0 if ok else 1
+
+
+def run(config: ReproConfig, progress: bool = False) -> dict[str, Any]:
+    """Run the side-by-side job; returns the JSON-ready report."""
+    from evenzero.localrun import LaunchOptions, launch
+
+    options = LaunchOptions(config.world_size, config.backend, config.timeout_s)
+    total = (config.steps + config.warmup) * len(config.systems)
+    if not progress:
+        return launch(repro_worker, config, options)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn()) as bar:
+        task = bar.add_task(f"starting {config.world_size} ranks", total=total)
+
+        def on_event(event: Any) -> None:
+            name, step = event
+            bar.update(task, advance=1, description=f"step {step + 1:>2} {name}")
+
+        return launch(repro_worker, config, options, on_event)
+
+
+def repro_worker(ctx, config: ReproConfig) -> dict[str, Any]:
+    """Runs on every rank; rank 0's return value is the report."""
+    import torch
+    import torch.distributed as dist
+
+    from evenzero.collective_capture import CaptureOptions, record
+    from evenzero.moe import expert_parallel_groups
+    from evenzero.sidebyside import InterleaveOptions, run_interleaved
+
+    m = config.model
+    groups = expert_parallel_groups(m.ep_size)
+    world = frozenset(range(ctx.world_size))
+    capture = CaptureOptions(
+        group_labels={world: "dense",
+                      frozenset(dist.get_process_group_ranks(groups.edp_group)): m.expert_group_name},
+        exclude_all_to_all_ranks=frozenset(dist.get_process_group_ranks(groups.ep_group)))
+    systems, skipped = _build_systems(ctx, config, groups, capture)
+    torch.manual_seed(m.seed)
+
+    def batch(step: int):
+        from evenzero.seedmodel import seed_batch
+
+        return seed_batch(m, step, ctx.rank, ctx.world_size)
+
+    results = run_interleaved(systems, batch,
+                              InterleaveOptions(config.steps, config.warmup, ctx.device),
+                              on_step=lambda name, step: ctx.emit((name, step)))
+    # What evenzero's runtime planned, to check that it issued exactly that.
+    planned = {s.name: [record(c) for c in s.optimizer.plan.backward()]
+               for s in systems if hasattr(s, "optimizer") and hasattr(s.optimizer, "plan")}
+    return {
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
+        "config": dataclasses.asdict(config),
+        "numel_per_rank": m.numel_per_rank(),
+        "systems": [{"name": r.name,
+                     "backward_collectives": [record(c) for c in r.backward_collectives()],
+                     "step_collectives": [record(c) for c in r.step_collectives()],
+                     "median_step_ms": r.median_step_ms,
+                     "step_ms": r.step_ms,
+                     "losses": r.losses,
+                     **({"planned_backward": planned[r.name]} if r.name in planned else {})}
+                    for r in results],
+        "skipped": skipped,
+    }
+
+
+def _build_systems(ctx, config: ReproConfig, groups, capture) -> tuple[list, list[dict]]:
+    from evenzero.baselines import DDPSystem
+    from evenzero.seedmodel import SeedModel, seed_loss
+    from evenzero.sidebyside import EvenzeroSystem
+
+    m = config.model
+    systems: list = []
+    skipped: list[dict] = []
+    for name in config.systems:
+        if name in ("evenzero", "deepspeed-0.6-schedule"):
+            strategy = "evenzero" if name == "evenzero" else "deepspeed-0.6"
+            systems.append(EvenzeroSystem(
+                name, SeedModel(m, groups).to(ctx.device), seed_loss, strategy=strategy,
+                lr=config.lr, weight_decay=config.weight_decay,
+                bucket_numel=config.bucket_numel if name == "evenzero" else None,
+                expert_groups={m.expert_group_name: groups.edp_group}))
+        elif name == "ddp":
+            systems.append(DDPSystem(SeedModel(m, groups).to(ctx.device), seed_loss,
+                                     lr=config.lr, weight_decay=config.weight_decay,
+                                     expert_group=groups.edp_group, capture=capture))
+        else:
+            system, reason = _deepspeed_system(ctx, config, name, groups, capture)
+            if system is None:
+                skipped.append({"name": name, "reason": reason})
+            else:
+                systems.append(system)
+    return systems, skipped
+
+
+def _deepspeed_system(ctx, config: ReproConfig, name: str, groups, capture):
+    from evenzero.deepspeed_runner import (
+        DeepSpeedSeedModel,
+        DeepSpeedSystem,
+        check_expert_layout,
+        deepspeed_unavailable,
+    )
+    from evenzero.seedmodel import seed_loss
+
+    reason = deepspeed_unavailable()
+    if reason is not None:
+        return None, f"DeepSpeed is not importable ({reason}); pip install 'evenzero[deepspeed]'"
+    m = config.model
+    system = DeepSpeedSystem(name, DeepSpeedSeedModel(m, groups.ep_rank).to(ctx.device), seed_loss,
+                             micro_batch=m.tokens_per_rank,
+                             multi_rank_allreduce=(name == "deepspeed"),
+                             lr=config.lr, weight_decay=config.weight_decay, capture=capture)
+    check_expert_layout(ctx.world_size, m.ep_size)
+    return system, ""

@@ -1,0 +1,12 @@
+"""The training engine: `ZeroOptimizer` executes a `Plan` with torch.distributed."""
+
+from __future__ import annotations
+
+from evenzero.runtime.checks import ZeroConfigError, ZeroRuntimeError
+from evenzero.runtime.config import ELEMENTWISE_OPTIMIZERS, ZeroConfig
+from evenzero.runtime.memory import MemoryReport
+from evenzero.runtime.optimizer import GradStats, ZeroOptimizer
+from evenzero.runtime.precision import LossScaleConfig, LossScaler
+
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "GradStats", "LossScaleConfig", "LossScaler",
+           "MemoryReport", "ZeroConfig", "ZeroConfigError", "ZeroOptimizer", "ZeroRuntimeError"]

@@ -1,0 +1,133 @@
+"""Flat buffers: parameters as views into per-layout buffers, gradient buckets, the pool.
+
+* `FlatParams`: one buffer per ownership layout, in the parameter dtype. Every model
+  parameter's `.data` is a view into it, so the step's all-gather writes the model
+  parameters directly (as Megatron and DeepSpeed do). Padding is zero.
+* `GradBuffers` (stage 1): one persistent buffer per bucket; `param.grad` is a view into
+  it, so autograd accumulates in place and there is no copy.
+* `BucketPool` (stage 2): at most `slots` bucket-sized buffers in flight; the bucket's
+  gradients are copied in with one batched `_foreach_copy_` when its last one arrives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from evenzero.plan import Bucket, Plan
+from evenzero.runtime.checks import ZeroRuntimeError
+
+
+def slot_views(buf: torch.Tensor, bucket: Bucket, shapes: dict[str, torch.Size]) -> list[torch.Tensor]:
+    return [buf[s.offset:s.offset + s.numel].view(shapes[s.name]) for s in bucket.params]
+
+
+class FlatParams:
+    """Per-layout flat parameter buffers whose slices back the model parameters."""
+
+    def __init__(self, plan: Plan, params: dict[str, torch.nn.Parameter],
+                 group_ranks: dict[str, int]) -> None:
+        self.plan = plan
+        self.params = params
+        self.group_ranks = group_ranks
+        self.buffers: dict[tuple[str, int], torch.Tensor] = {}
+        for layout in plan.layouts:
+            first = params[layout.params[0].name]
+            buf = torch.zeros(layout.numel, dtype=first.dtype, device=first.device)
+            for s in layout.params:
+                p = params[s.name]
+                view = buf[s.offset:s.offset + s.numel].view(p.shape)
+                view.copy_(p.detach())
+                # Re-point the parameter at the buffer; autograd and the module keep the
+                # same Parameter object, hooks included.
+                p.data = view
+            self.buffers[(layout.group, layout.index)] = buf
+        self._ptrs = {s.name: self.buffers[(lay.group, lay.index)][s.offset:].data_ptr()
+                      for lay in plan.layouts for s in lay.params}
+
+    def owned_slice(self, group: str, index: int) -> torch.Tensor:
+        """This rank's equal slice of a layout buffer."""
+        buf = self.buffers[(group, index)]
+        n = self.plan.group(group).size
+        per = buf.numel() // n
+        r = self.group_ranks[group]
+        return buf[r * per:(r + 1) * per]
+
+    def repoint_moved(self) -> list[str]:
+        """Re-point parameters whose `.data` was replaced (e.g. a dtype re-cast in forward)
+        back to their buffer view; returns their names."""
+        moved = []
+        for lay in self.plan.layouts:
+            buf = self.buffers[(lay.group, lay.index)]
+            for s in lay.params:
+                p = self.params[s.name]
+                if p.data_ptr() != self._ptrs[s.name] or p.dtype != buf.dtype:
+                    if p.device != buf.device or p.numel() != s.numel:
+                        raise ZeroRuntimeError(
+                            f"parameter {s.name!r} was moved to {p.device} or resized after "
+                            f"ZeroOptimizer was built; move the model before building it")
+                    p.data = buf[s.offset:s.offset + s.numel].view(p.shape)
+                    moved.append(s.name)
+        return moved
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
+class GradBuffers:
+    """Stage 1: persistent full-gradient buffers, one per bucket, in the parameter dtype."""
+
+    def __init__(self, buckets: Sequence[Bucket], params: Mapping[str, torch.nn.Parameter]) -> None:
+        self.buffers: list[torch.Tensor] = []
+        self.views: list[list[torch.Tensor]] = []
+        for b in buckets:
+            first = params[b.params[0].name]
+            buf = torch.zeros(b.numel, dtype=first.dtype, device=first.device)
+            self.buffers.append(buf)
+            self.views.append(slot_views(buf, b, {s.name: params[s.name].shape for s in b.params}))
+
+    def zero_(self) -> None:
+        for b in self.buffers:
+            b.zero_()
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+
+class BucketPool:
+    """A few reusable flat buffers per dtype, allocated on first use and freed by `release_all`.
+
+    Each slot has an `input` part (the bucket's gradients, stage 2 only) and an `output`
+    part (scratch for the reduce-scatter). Freeing them after backward is what makes
+    stage 2's gradient memory at rest just the 1/N shards.
+    """
+
+    def __init__(self, device: torch.device, input_numel: dict[torch.dtype, int],
+                 output_numel: dict[torch.dtype, int], slots: int) -> None:
+        self.device = device
+        self.input_numel, self.output_numel = input_numel, output_numel
+        self.slots = slots
+        self._free: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._all: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def acquire(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        free = self._free.setdefault(dtype, [])
+        if free:
+            return free.pop()
+        if sum(1 for i, _ in self._all if i.dtype == dtype) >= self.slots:
+            raise RuntimeError("bucket pool exhausted: release a slot before acquiring another")
+        slot = (torch.empty(self.input_numel.get(dtype, 0), dtype=dtype, device=self.device),
+                torch.empty(self.output_numel.get(dtype, 0), dtype=dtype, device=self.device))
+        self._all.append(slot)
+        return slot
+
+    def release(self, slot: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self._free.setdefault(slot[0].dtype, []).append(slot)
+
+    def release_all(self) -> None:
+        self._free.clear()
+        self._all.clear()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for slot in self._all for t in slot)

@@ -1,0 +1,104 @@
+"""The engine's knobs, and which optimizers may step a flat shard."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from evenzero.runtime.checks import ZeroConfigError
+from evenzero.runtime.collectives import REDUCE_SCATTER_ALGORITHMS
+from evenzero.runtime.precision import LossScaleConfig, as_dtype
+
+# Each rank steps only its flat 1/N shard, which equals stepping every parameter only if
+# the update of an element depends on that element's own gradient and state alone.
+ELEMENTWISE_OPTIMIZERS = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
+    torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta,
+    torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD,
+)
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """How `ZeroOptimizer` shards, reduces and steps. Every field can also be passed to
+    `ZeroOptimizer(...)` as a keyword argument."""
+
+    stage: int = 2
+    """1: full gradients accumulate in persistent buffers, reduced once per step.
+    2: gradients are reduced as each bucket fills and only this rank's 1/N shard is kept."""
+    bucket_numel: int | None = None
+    """Bucket size in elements; None means the strategy's default."""
+    strategy: str | Callable[..., Any] = "evenzero"
+    """Planner whose schedule is executed: "evenzero"; "deepspeed-0.6" (or any sharded
+    strategy name) to run that schedule in this engine for comparisons; or a callable
+    `(spec, world_size, options) -> Plan` for a custom plan."""
+    alignment_bytes: int = 128
+    """Every rank's shard of a bucket starts on this many bytes."""
+    reduce_dtype: torch.dtype | str | None = None
+    """Dtype gradients travel in; None means each group's parameter dtype."""
+    master_dtype: torch.dtype | str = torch.float32
+    """Dtype of the master weights, gradient shards and optimizer state."""
+    loss_scale: str | float | None = None
+    """"dynamic", a fixed number, or None: dynamic for fp16 parameters, off otherwise."""
+    loss_scale_config: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """Growth and backoff of the dynamic loss scale."""
+    elementwise: bool | None = None
+    """True declares a custom optimizer elementwise (so it may step flat shards)."""
+    allow_partial_grads: bool = False
+    """True: a gradient produced on some ranks only counts as zero on the others (like
+    DDP's find_unused_parameters). False: the step raises and names the parameter."""
+    reduce_scatter_algorithm: str | None = None
+    """Override the per-backend choice: "reduce_scatter_tensor" or "all_to_all+sum"."""
+    max_buckets_in_flight: int = 2
+    """Buckets reduced concurrently; the oldest is waited for when more are ready."""
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2):
+            raise ZeroConfigError(f"stage must be 1 or 2, got {self.stage!r}")
+        if self.bucket_numel is not None and (isinstance(self.bucket_numel, bool)
+                                              or not isinstance(self.bucket_numel, int)
+                                              or self.bucket_numel <= 0):
+            raise ZeroConfigError(f"bucket_numel must be a positive integer number of elements, "
+                                  f"got {self.bucket_numel!r}; e.g. bucket_numel=2**20")
+        if self.reduce_scatter_algorithm not in (None, *REDUCE_SCATTER_ALGORITHMS):
+            raise ZeroConfigError(f"reduce_scatter_algorithm must be one of "
+                                  f"{REDUCE_SCATTER_ALGORITHMS}, got {self.reduce_scatter_algorithm!r}")
+        if not (isinstance(self.strategy, str) or callable(self.strategy)):
+            raise ZeroConfigError(f"strategy must be a strategy name such as 'evenzero' or a "
+                                  f"planner callable, got {self.strategy!r}")
+        if self.max_buckets_in_flight < 1:
+            raise ZeroConfigError("max_buckets_in_flight must be at least 1")
+        if isinstance(self.loss_scale, str) and self.loss_scale != "dynamic":
+            raise ZeroConfigError(f"loss_scale must be 'dynamic', a number or None, got "
+                                  f"{self.loss_scale!r}")
+        if isinstance(self.loss_scale, (int, float)) and not self.loss_scale > 0:
+            raise ZeroConfigError(f"loss_scale must be positive, got {self.loss_scale}")
+        try:
+            if self.reduce_dtype is not None:
+                as_dtype(self.reduce_dtype, "reduce_dtype")
+            as_dtype(self.master_dtype, "master_dtype")
+        except ValueError as e:
+            raise ZeroConfigError(str(e)) from None
+
+    @classmethod
+    def field_names(cls) -> frozenset[str]:
+        return frozenset(f.name for f in fields(cls))
+
+
+def check_elementwise(optimizer_class, declared: bool | None) -> None:
+    """Refuse optimizers whose update couples elements (they would be wrong on shards)."""
+    if not isinstance(optimizer_class, type) or not issubclass(optimizer_class,
+                                                                torch.optim.Optimizer):
+        raise ZeroConfigError(f"optimizer_class must be a torch.optim.Optimizer subclass such as "
+                              f"torch.optim.AdamW, got {optimizer_class!r}")
+    if declared is True or optimizer_class in ELEMENTWISE_OPTIMIZERS:
+        return
+    names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+    raise ZeroConfigError(
+        f"{optimizer_class.__name__} is not a known elementwise optimizer: ZeroOptimizer steps "
+        f"each rank's flat 1/N shard on its own, which is only correct when every element's "
+        f"update depends on that element alone ({names}). Use one of those, or pass "
+        f"elementwise=True if {optimizer_class.__name__} really is elementwise")

@@ -1,0 +1,55 @@
+"""Per-rank memory of the engine: what ZeRO is supposed to shrink, measured, not modelled."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes held by this rank at the moment of the report."""
+
+    gradient_shards: int
+    """Accumulated fp32 gradient shards (1/N of the model, padding included)."""
+    gradient_buffers: int
+    """Bucket buffers currently allocated: stage 1's full buffers, stage 2's in-flight pool."""
+    pending_grads: int
+    """`param.grad` tensors not backed by the engine's buffers (e.g. under no_sync)."""
+    master_weights: int
+    """fp32 master shards."""
+    optimizer_state: int
+    """Tensors in the inner optimizer's state (Adam moments, ...)."""
+    parameters: int
+    """Flat parameter buffers that back the model parameters (full model, param dtype)."""
+
+    @property
+    def gradients(self) -> int:
+        return self.gradient_shards + self.gradient_buffers + self.pending_grads
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def measure(groups: Iterable, reducer, params: Iterable[torch.nn.Parameter],
+            optimizer: torch.optim.Optimizer, flat) -> MemoryReport:
+    """Measure the engine's current holdings: group states (master and grad shards), the
+    gradient reducer's buffers, stray `.grad` tensors, optimizer state and flat params."""
+    groups = list(groups)
+    held = set()
+    if reducer.grad_buffers is not None:
+        held = {v.data_ptr() for vs in reducer.grad_buffers.views for v in vs}
+    pending = sum(_nbytes(p.grad) for p in params
+                  if p.grad is not None and p.grad.data_ptr() not in held)
+    state = sum(_nbytes(v) for s in optimizer.state.values() for v in s.values()
+                if torch.is_tensor(v))
+    return MemoryReport(
+        gradient_shards=sum(_nbytes(g.grad) for g in groups),
+        gradient_buffers=reducer.nbytes(),
+        pending_grads=pending,
+        master_weights=sum(_nbytes(g.master) for g in groups),
+        optimizer_state=state,
+        parameters=flat.nbytes())

@@ -1,0 +1,104 @@
+"""Mixed precision: dtype names and the dynamic loss scaler for fp16 training.
+
+Model parameters may be bf16 or fp16; the optimizer always steps fp32 master shards
+(`master_dtype`), and gradients are accumulated into fp32 shards. Gradients travel in
+`reduce_dtype` (the parameter dtype unless told otherwise).
+
+fp16 gradients overflow easily, so fp16 training scales the loss up before backward and
+the gradients down before the step. Overflow is agreed across ranks (it rides on the
+step's single all-reduce), and a step with an overflow anywhere is skipped everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float64": torch.float64, "fp32": torch.float32, "fp16": torch.float16,
+          "bf16": torch.bfloat16, "half": torch.float16}
+
+
+def as_dtype(value: torch.dtype | str, what: str) -> torch.dtype:
+    """A torch dtype from a dtype or a name; the error names the accepted spellings."""
+    if isinstance(value, torch.dtype):
+        if value not in DTYPES.values():
+            raise ValueError(f"{what}: {value} is not a floating dtype the runtime supports; "
+                             f"use one of {sorted(set(DTYPES) - {'half', 'fp16', 'fp32', 'bf16'})}")
+        return value
+    if value not in DTYPES:
+        raise ValueError(f"{what}: unknown dtype {value!r}; use one of {sorted(DTYPES)}")
+    return DTYPES[value]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """Dynamic loss scaling, as in apex/DeepSpeed/torch.amp.GradScaler."""
+
+    init_scale: float = 2.0**16
+    """Scale of the first step."""
+    growth_factor: float = 2.0
+    """The scale is multiplied by this after `growth_interval` steps without overflow."""
+    backoff_factor: float = 0.5
+    """The scale is multiplied by this on every overflow (the step is skipped)."""
+    growth_interval: int = 1000
+    """Good steps in a row before the scale grows."""
+    min_scale: float = 1.0
+    """The scale never goes below this."""
+
+    def __post_init__(self) -> None:
+        if not (self.init_scale > 0 and math.isfinite(self.init_scale)):
+            raise ValueError(f"loss scale must be a positive finite number, got {self.init_scale}")
+        if self.growth_factor < 1 or not 0 < self.backoff_factor < 1:
+            raise ValueError("loss scale growth_factor must be >= 1 and backoff_factor in (0, 1)")
+        if self.growth_interval < 1:
+            raise ValueError(f"loss scale growth_interval must be >= 1, got {self.growth_interval}")
+
+
+class LossScaler:
+    """Current loss scale and its update rule; `enabled=False` is a no-op scale of 1."""
+
+    def __init__(self, enabled: bool, config: LossScaleConfig = LossScaleConfig(),
+                 dynamic: bool = True) -> None:
+        self.enabled = enabled
+        self.dynamic = dynamic and enabled
+        self.config = config
+        self.scale = config.init_scale if enabled else 1.0
+        self.good_steps = 0
+        self.overflows = 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale if self.enabled else loss
+
+    def update(self, overflow: bool) -> None:
+        """Record one step's outcome: back off on overflow, grow after enough good steps."""
+        if not self.dynamic:
+            return
+        if overflow:
+            self.overflows += 1
+            self.good_steps = 0
+            self.scale = max(self.config.min_scale, self.scale * self.config.backoff_factor)
+            return
+        self.good_steps += 1
+        if self.good_steps >= self.config.growth_interval:
+            self.good_steps = 0
+            self.scale *= self.config.growth_factor
+
+    def state_dict(self) -> dict:
+        return {"enabled": self.enabled, "dynamic": self.dynamic, "scale": self.scale,
+                "good_steps": self.good_steps, "overflows": self.overflows}
+
+    def load_state_dict(self, state: dict) -> None:
+        if bool(state.get("enabled")) != self.enabled:
+            raise ValueError(f"loss scaler state was saved with enabled={state.get('enabled')} "
+                             f"but this optimizer has enabled={self.enabled}; build the optimizer "
+                             f"with the same loss_scale setting as the run that saved it")
+        self.scale = float(state["scale"])
+        self.good_steps = int(state["good_steps"])
+        self.overflows = int(state.get("overflows", 0))

@@ -1,0 +1,192 @@
+"""Construction: validate everything locally, agree across ranks, then plan.
+
+Local problems (a process group without this rank, parameters on mixed devices, an
+optimizer that is not elementwise, ...) are not raised on the spot: a rank that raised
+alone would leave the others waiting in the first collective. They ride along with the
+rank's model description into `checks.agree`, which raises the same error everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from evenzero.plan import Plan, PlanError
+from evenzero.runtime.checks import (
+    RankDescription,
+    ZeroConfigError,
+    agree,
+    check_group_partition,
+)
+from evenzero.runtime.config import ZeroConfig, check_elementwise
+from evenzero.runtime.groups import (
+    GroupingError,
+    TrainGroup,
+    build_groups,
+    check_process_group,
+    model_spec,
+    trainable,
+)
+from evenzero.runtime.precision import as_dtype, dtype_name
+from evenzero.spec import ModelSpec
+from evenzero.strategies.common import PlanOptions
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What construction established, identical in shape on every rank."""
+
+    named: tuple[tuple[str, torch.nn.Parameter], ...]
+    """Trainable parameters in registration order."""
+    groups: tuple[TrainGroup, ...]
+    """Parameter groups, in the order the optimizer sees them."""
+    group_ranks: Mapping[str, int]
+    """This rank's rank in each group's process group."""
+    group_sizes: Mapping[str, int]
+    """Size of each group's process group."""
+    spec: ModelSpec
+    """The planner's description of the model (arrival: reverse registration)."""
+    device: torch.device
+    """Device of every parameter."""
+    comm_device: torch.device
+    """Device of the small control tensors (CUDA under NCCL, else CPU)."""
+
+
+def _check_devices(named) -> torch.device:
+    devices = sorted({str(p.device) for _, p in named})
+    if len(devices) > 1:
+        raise GroupingError(f"parameters are on several devices ({', '.join(devices)}); move the "
+                            f"whole model to one device before building ZeroOptimizer")
+    device = named[0][1].device
+    if device.type == "meta":
+        raise GroupingError("parameters are on the meta device; materialise them first "
+                            "(module.to_empty(device=...) and initialise the weights)")
+    return device
+
+
+def _comm_device(world_group, device: torch.device | None) -> torch.device:
+    backend = str(dist.get_backend(world_group))
+    if "nccl" in backend and (backend == "nccl" or (device is not None and device.type == "cuda")):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _members(group: TrainGroup, world_group) -> tuple[int, ...]:
+    """The group's members as ranks of the data-parallel world group."""
+    out = []
+    for g in dist.get_process_group_ranks(group.process_group):
+        try:
+            out.append(dist.get_group_rank(world_group, g))
+        except (ValueError, RuntimeError):
+            raise GroupingError(f"the process group of parameter group {group.name!r} contains "
+                                f"global rank {g}, which is outside the data-parallel group") from None
+    return tuple(out)
+
+
+def _check_edp_pattern(name: str, members: tuple[int, ...], me: int, world: int) -> None:
+    """A group of S < W ranks must be DeepSpeed's expert-data-parallel group {i, i+E, ...}
+    (E = W/S), the layout the plan describes (`GroupInfo.ranks_of`). Passing the
+    expert-parallel group instead would reduce different experts together, silently."""
+    e = world // len(members)
+    expected = tuple(range(me % e, world, e))
+    if tuple(sorted(members)) != expected:
+        raise GroupingError(f"parameter group {name!r}: its process group is ranks "
+                            f"{sorted(members)}, but with {len(members)} of {world} ranks it must "
+                            f"be the expert-data-parallel group {list(expected)} (ranks holding the "
+                            f"same experts); evenzero.moe.expert_parallel_groups(E).edp_group is it")
+
+
+def _settings(config: ZeroConfig, optimizer_class, defaults: Mapping[str, Any]) -> tuple:
+    items = {f: repr(getattr(config, f)) for f in sorted(ZeroConfig.field_names())}
+    for f in ("reduce_dtype", "master_dtype"):  # "bf16" and torch.bfloat16 are the same setting
+        value = getattr(config, f)
+        items[f] = dtype_name(as_dtype(value, f)) if value is not None else "None"
+    if callable(config.strategy):  # a function's repr holds its address, which differs by rank
+        items["strategy"] = getattr(config.strategy, "__qualname__", type(config.strategy).__name__)
+    items["optimizer"] = getattr(optimizer_class, "__qualname__", repr(optimizer_class))
+    items["optimizer_kwargs"] = repr(sorted(defaults.items()))
+    return tuple(items.items())
+
+
+def establish(module: torch.nn.Module, optimizer_class, param_groups: Iterable[Mapping] | None,
+              config: ZeroConfig, expert_groups: Mapping[str, Any] | None, world_group,
+              defaults: Mapping[str, Any], config_error: str | None = None) -> Setup:
+    """Validate the inputs on every rank and agree; raises `ZeroConfigError` everywhere.
+    `config_error` is a problem already found with this rank's settings."""
+    world = dist.get_world_size(world_group)
+    error = config_error
+    named = trainable(module)
+    groups: tuple[TrainGroup, ...] = ()
+    ranks: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    members: list[tuple[int, ...]] = []
+    device = None
+    try:
+        if error:
+            raise ZeroConfigError(error)
+        check_elementwise(optimizer_class, config.elementwise)
+        groups = build_groups(module, world_group, param_groups, expert_groups)
+        device = _check_devices(named)
+        for g in groups:
+            ranks[g.name] = check_process_group(g, world_group)
+            sizes[g.name] = dist.get_world_size(g.process_group)
+            members.append(_members(g, world_group))
+            _check_edp_pattern(g.name, members[-1], dist.get_rank(world_group), world)
+    except (GroupingError, ZeroConfigError) as e:
+        error = str(e)
+    group_of = {n: g.name for g in groups for n in g.names}
+    desc = RankDescription(
+        params=tuple((n, tuple(p.shape), dtype_name(p.dtype), group_of.get(n, "?")) for n, p in named),
+        groups=tuple((g.name, sizes.get(g.name, 0)) for g in groups) if not error else (),
+        settings=_settings(config, optimizer_class, {**defaults, **{
+            f"{g.name}.{k}": v for g in groups for k, v in g.options.items()}}),
+        error=error)
+    comm = _comm_device(world_group, device)
+    agree(desc, world_group, comm)
+    check_group_partition(members, world_group, comm, [g.name for g in groups])
+    spec = model_spec(type(module).__name__, named, groups, world, sizes)
+    return Setup(tuple(named), groups, ranks, sizes, spec, device, comm)
+
+
+def plan_options(config: ZeroConfig) -> PlanOptions:
+    reduce = dtype_name(as_dtype(config.reduce_dtype, "reduce_dtype")) if config.reduce_dtype else None
+    return PlanOptions(bucket_numel=config.bucket_numel, alignment_bytes=config.alignment_bytes,
+                       reduce_dtype=reduce)
+
+
+def make_plan(spec: ModelSpec, world_size: int, config: ZeroConfig,
+              group_sizes: Mapping[str, int]) -> Plan:
+    """Plan with the configured strategy and check it fits the process groups we have."""
+    options = plan_options(config)
+    if callable(config.strategy):
+        plan = config.strategy(spec, world_size, options)
+    elif config.strategy == "evenzero":
+        # Imported directly so the engine does not depend on every peer planner importing.
+        from evenzero.strategies.evenzero import plan_evenzero
+
+        plan = plan_evenzero(spec, world_size, options)
+    else:
+        from evenzero.strategies import plan as plan_with
+
+        plan = plan_with(spec, world_size, config.strategy, options)
+    names = {g.name for g in plan.groups}
+    if any(b.group not in names for b in plan.buckets):
+        # DeepSpeed's IPG buckets mix param groups; the runtime reduces a bucket on one
+        # process group, so run the same collectives on single-group buckets.
+        from evenzero.strategies.deepspeed import split_by_group
+
+        plan = split_by_group(plan)
+    if not plan.sharded:
+        raise ZeroConfigError(f"strategy {config.strategy!r} keeps full optimizer state on every "
+                              f"rank; ZeroOptimizer runs sharded plans such as 'evenzero'")
+    if plan.world_size != world_size:
+        raise PlanError(f"plan is for {plan.world_size} ranks but the world has {world_size}")
+    for g in plan.groups:
+        if g.size != group_sizes[g.name]:
+            raise PlanError(f"plan gives group {g.name!r} {g.size} ranks but its process group "
+                            f"has {group_sizes[g.name]}")
+    return plan

@@ -1,0 +1,118 @@
+"""Each rank's flat shards of a group: master weights and accumulated gradients.
+
+A group's shard is the concatenation, over the group's layouts in index order, of this
+rank's equal slice of each layout, padding included: exactly what
+`plan.shard_ranges(group, rank)` describes with `shard_offset`. The optimizer steps
+the master shard; the step writes it back into this rank's slice of each flat
+parameter buffer and all-gathers the layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from evenzero.plan import STEP, Collective, Plan
+from evenzero.runtime.buckets import FlatParams
+from evenzero.runtime.collectives import Trace, all_gather_flat, all_gather_layout
+from evenzero.runtime.precision import dtype_name
+from evenzero.spec import DTYPE_BYTES
+
+
+@dataclass(eq=False)
+class GroupState:
+    """Runtime state of one parameter group on this rank."""
+
+    name: str
+    """Group name in the plan."""
+    process_group: Any
+    """Process group the group's gradients are reduced and its params gathered over."""
+    size: int
+    """Ranks in `process_group`."""
+    rank: int
+    """This rank's rank within `process_group`."""
+    param_dtype: torch.dtype
+    """Dtype of the model parameters (and the flat parameter buffers)."""
+    reduce_dtype: torch.dtype
+    """Dtype gradients travel in."""
+    master: torch.Tensor
+    """This rank's fp32 (master dtype) shard of the parameters; the optimizer's param."""
+    grad: torch.Tensor
+    """This rank's accumulated, averaged gradient shard, same shape as `master`."""
+    options: Mapping[str, Any]
+    """Optimizer keyword overrides for this group."""
+
+
+def layout_bases(plan: Plan, group: str) -> list[tuple[int, int, int]]:
+    """(layout index, shard offset, per-rank numel) of each layout of `group`."""
+    size = plan.group(group).size
+    out, base = [], 0
+    for lay in plan.group_layouts(group):
+        per = lay.numel // size
+        out.append((lay.index, base, per))
+        base += per
+    return out
+
+
+def load_masters(plan: Plan, flat: FlatParams, state: GroupState) -> None:
+    """Master shard := this rank's slices of the flat parameter buffers."""
+    for index, base, per in layout_bases(plan, state.name):
+        state.master[base:base + per].copy_(flat.owned_slice(state.name, index))
+
+
+def gather_params(plan: Plan, flat: FlatParams, states: Mapping[str, GroupState],
+                  order: tuple[Collective, ...], trace: Trace | None) -> None:
+    """Write each master shard into its slices and all-gather every layout, in `order`.
+
+    The gathers are issued back to back and waited for together, so their latencies
+    overlap instead of adding up (one gather per layout is many on small buckets)."""
+    works = []
+    for c in order:
+        st = states[c.group]
+        base = {i: b for i, b, _ in layout_bases(plan, c.group)}[c.bucket]
+        mine = flat.owned_slice(c.group, c.bucket)
+        mine.copy_(st.master[base:base + mine.numel()])
+        works.append(all_gather_layout(flat.buffers[(c.group, c.bucket)], st.rank,
+                                       st.process_group))
+        if trace is not None:
+            trace.record(c, "all_gather_into_tensor")
+    for w in works:
+        w.wait()
+
+
+def param_values(plan: Plan, shard: torch.Tensor, state: GroupState) -> dict[str, torch.Tensor]:
+    """Every parameter of the group, whole and flat, gathered from the ranks' shards."""
+    out: dict[str, torch.Tensor] = {}
+    layouts = plan.group_layouts(state.name)
+    for lay, (_, base, per) in zip(layouts, layout_bases(plan, state.name), strict=True):
+        full = torch.empty(lay.numel, dtype=shard.dtype, device=shard.device)
+        all_gather_flat(full, shard[base:base + per].contiguous(), state.process_group)
+        for s in lay.params:
+            out[s.name] = full[s.offset:s.offset + s.numel]
+    return out
+
+
+def reshard(shard: torch.Tensor, old: Plan, new: Plan, state: GroupState) -> torch.Tensor:
+    """The same values, moved from this rank's shard under `old` to its shard under `new`."""
+    values = param_values(old, shard, state)
+    out = torch.zeros(new.shard_numel(state.name), dtype=shard.dtype, device=shard.device)
+    for r in new.shard_ranges(state.name, state.rank):
+        out[r.shard_offset:r.shard_offset + r.numel] = values[r.param][r.start:r.start + r.numel]
+    return out
+
+
+def gather_order(plan: Plan, groups: Mapping[str, GroupState]) -> tuple[Collective, ...]:
+    """The plan's all-gathers if they are one whole gather per layout, else our own."""
+    layouts = {(lay.group, lay.index): lay.numel for lay in plan.layouts}
+    planned = tuple(c for c in plan.step() if c.op == "all_gather")
+    if (sorted((c.group, c.bucket) for c in planned) == sorted(layouts)
+            and all(c.offset == 0 and not c.segments and c.numel == layouts[(c.group, c.bucket)]
+                    for c in planned)):
+        return planned
+    return tuple(Collective(STEP, "all_gather", lay.group, groups[lay.group].size, None, lay.index,
+                            0, lay.numel,
+                            itemsize=DTYPE_BYTES[dtype_name(groups[lay.group].param_dtype)])
+                 for lay in plan.layouts)

@@ -1,0 +1,119 @@
+"""Run a function on W gloo processes from a test, with tracebacks and a hard timeout.
+
+    results = run_distributed(check_something, world_size=4, args=(...,))
+
+`fn(rank, world_size, *args)` must be a top-level (picklable) function; the process
+group is initialised (gloo, file rendezvous) before it runs and destroyed after. Its return
+values come back as a list indexed by rank. If any rank raises, the test fails with
+that rank's traceback; if the job outlives `timeout` seconds, every process is killed
+and the test fails naming the ranks that had not finished, so a hang never hangs CI.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import queue
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+class DistributedTestError(AssertionError):
+    """A rank failed or the job timed out; the message carries the rank's traceback."""
+
+
+def _worker(fn, rank: int, world_size: int, store: str, args: Sequence[Any], out,
+            stack_file: str) -> None:
+    # On timeout the parent sends SIGUSR1 and reports where every thread was stuck.
+    stacks = open(stack_file, "w")  # noqa: SIM115 - must outlive this frame until exit
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        # A file rendezvous: no port to race for with other test processes on the machine.
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                                world_size=world_size)
+        result = fn(rank, world_size, *args)
+        out.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        out.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
+                    timeout: float = 120.0) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; returns per-rank results."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    stack_dir = Path(tempfile.mkdtemp(prefix="dist-test-"))
+    store = str(stack_dir / "store")
+    stack_files = [str(stack_dir / f"rank{r}.txt") for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, store, tuple(args), out,
+                                               stack_files[r]), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(world_size)) - set(results) - set(errors))
+                detail = "".join(f"\n--- rank {r} raised ---\n{e}" for r, e in sorted(errors.items()))
+                detail += _stacks(procs, missing, stack_files)
+                raise DistributedTestError(f"timed out after {timeout:.0f}s; ranks {missing} did "
+                                           f"not finish{detail}")
+            try:
+                rank, status, payload = out.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if not p.is_alive() and p.exitcode not in (0, None)
+                        and r not in results and r not in errors]
+                if dead:
+                    raise DistributedTestError(f"rank(s) {dead} died with exit code "
+                                               f"{procs[dead[0]].exitcode} without reporting") from None
+                continue
+            (results if status == "ok" else errors)[rank] = payload
+            if errors and len(results) + len(errors) < world_size:
+                # Give the other ranks a moment to report their own (usually matching) error.
+                deadline = min(deadline, time.monotonic() + 10.0)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    shutil.rmtree(stack_dir, ignore_errors=True)
+    if errors:
+        first = min(errors)
+        raise DistributedTestError(f"rank {first} failed:\n{errors[first]}")
+    return [results[r] for r in range(world_size)]
+
+
+def _stacks(procs, ranks: list[int], files: list[str]) -> str:
+    """Where each hung rank is stuck (Python stacks of all its threads)."""
+    for r in ranks:
+        if procs[r].is_alive():
+            os.kill(procs[r].pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    out = ""
+    for r in ranks:
+        text = Path(files[r]).read_text() if Path(files[r]).exists() else ""
+        out += f"\n--- rank {r} stacks ---\n{text[-4000:] or '(none)'}"
+    return out

@@ -1,0 +1,213 @@
+"""Bad input gives the same clear error on every rank, never a hang or a silent wrong answer.
+
+All cases share one spawned 2-rank gloo job; the harness's timeout turns a hang into a
+failure. Each case must raise on *every* rank (checked per rank by the parent).
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dist_helpers import run_distributed
+from test_runtime_models import MLP, mlp_batch, mlp_loss, part
+
+
+class Branchy(MLP):
+    """An MLP with an extra layer used only when asked to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(4, 4)
+
+    def forward(self, x, use_extra: bool = False):
+        y = super().forward(x)
+        return self.extra(y) if use_extra else y
+
+
+def _opt(model, cls=torch.optim.SGD, *groups, **kw):
+    from evenzero import ZeroOptimizer
+
+    return ZeroOptimizer(model, cls, *groups, **({"lr": 0.1} | kw))
+
+
+def _zce():
+    from evenzero.runtime import ZeroConfigError
+    return ZeroConfigError
+
+
+def _zre():
+    from evenzero.runtime import ZeroRuntimeError
+    return ZeroRuntimeError
+
+
+def case_models_differ(rank, world):
+    model = MLP(h=16 if rank == 0 else 17)
+    _opt(model)
+
+
+def case_settings_differ(rank, world):
+    _opt(MLP(), bucket_numel=64 if rank == 0 else 128)
+
+
+def case_not_elementwise(rank, world):
+    _opt(MLP(), torch.optim.LBFGS)
+
+
+def case_custom_optimizer_declared_elementwise(rank, world):
+    class MySGD(torch.optim.SGD):
+        pass
+    model = MLP()
+    opt = _opt(model, MySGD, elementwise=True)
+    mlp_loss(model, tuple(part(t, rank, world) for t in mlp_batch(0, 8))).backward()
+    opt.step()
+
+
+def case_step_without_backward(rank, world):
+    _opt(MLP()).step()
+
+
+def case_step_after_only_no_sync(rank, world):
+    model = MLP()
+    opt = _opt(model)
+    with opt.no_sync():
+        mlp_loss(model, mlp_batch(0, 4)).backward()
+    opt.step()
+
+
+def case_group_without_this_rank(rank, world):
+    only_zero = dist.new_group([0])
+    model = MLP()
+    _opt(model, torch.optim.SGD, [{"params": list(model.parameters()), "process_group": only_zero}])
+
+
+def case_mixed_devices(rank, world):
+    model = MLP()
+    model.fc2.weight = nn.Parameter(torch.empty(16, 16, device="meta"))
+    _opt(model)
+
+
+def case_expert_without_group(rank, world):
+    model = MLP()
+    model.head.weight.allreduce = False
+    model.head.weight.group_name = "ep_size_2"
+    _opt(model)
+
+
+def case_nothing_trainable(rank, world):
+    _opt(MLP().requires_grad_(False))
+
+
+def case_bad_stage_on_one_rank(rank, world):
+    _opt(MLP(), stage=3 if rank == 1 else 2)
+
+
+def case_clip_inf_norm(rank, world):
+    model = MLP()
+    opt = _opt(model)
+    mlp_loss(model, mlp_batch(0, 4)).backward()
+    opt.clip_grad_norm_(1.0, norm_type=float("inf"))
+
+
+def case_grad_on_one_rank_only(rank, world):
+    model = Branchy()
+    opt = _opt(model)
+    x, y = mlp_batch(0, 4)
+    mlp_loss(lambda x: model(x, use_extra=rank == 0), (x, y)).backward()
+    opt.step()
+
+
+def case_partial_grads_allowed(rank, world):
+    model = Branchy()
+    opt = _opt(model, allow_partial_grads=True)
+    before = model.extra.weight.detach().clone()
+    x, y = mlp_batch(0, 4)
+    mlp_loss(lambda x: model(x, use_extra=rank == 0), (x, y)).backward()
+    opt.step()
+    everyone = [torch.empty_like(before) for _ in range(world)]
+    dist.all_gather(everyone, model.extra.weight.detach().contiguous())
+    assert all(torch.equal(everyone[0], w) for w in everyone), "ranks diverged"
+    assert not torch.equal(before, model.extra.weight), "rank 0's gradient was dropped"
+
+
+def case_unplanned_gradient(rank, world):
+    # DeepSpeed's plan has no collective for a param that gave no gradient when measured;
+    # the engine must refuse the gradient rather than drop it (the seed case's lost gate).
+    model = Branchy()
+    opt = _opt(model, strategy="deepspeed-0.6")
+    for use_extra in (False, True):
+        mlp_loss(lambda x, u=use_extra: model(x, use_extra=u), mlp_batch(0, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def case_param_replaced_after_construction(rank, world):
+    model = MLP()
+    opt = _opt(model)
+    model.head.bias = nn.Parameter(torch.zeros(4))
+    mlp_loss(model, mlp_batch(0, 4)).backward()
+    opt.step()
+
+
+EXPECTED = {
+    # case name: (error type, fragments the message must contain); None: must succeed.
+    "models_differ": (_zce(), "'fc1.weight'", "differs across ranks", "ranks [1]"),
+    "settings_differ": (_zce(), "bucket_numel", "differs across ranks"),
+    "not_elementwise": (_zce(), "LBFGS is not a known elementwise optimizer", "elementwise=True"),
+    "step_without_backward": (_zre(), "without a backward"),
+    "step_after_only_no_sync": (_zre(), "no_sync"),
+    "group_without_this_rank": (_zce(), "rank 1:", "does not contain this rank"),
+    "mixed_devices": (_zce(), "several devices", "cpu", "meta"),
+    "expert_without_group": (_zce(), "'head.weight'", "expert_groups"),
+    "nothing_trainable": (_zce(), "no trainable parameters"),
+    "bad_stage_on_one_rank": (_zce(), "rank 1:", "stage must be 1 or 2"),
+    "clip_inf_norm": (_zce(), "norm_type=2"),
+    "grad_on_one_rank_only": (_zre(), "'extra.weight'", "1 of 2 ranks", "allow_partial_grads=True"),
+    "unplanned_gradient": (_zre(), "'extra.", "no collective"),
+    "param_replaced_after_construction": (_zre(), "'head.bias'", "does not manage"),
+    "partial_grads_allowed": None,
+    "custom_optimizer_declared_elementwise": None,
+}
+
+
+def _run_case(name: str, rank: int, world: int) -> None:
+    case = globals()[f"case_{name}"]
+    expected = EXPECTED[name]
+    if expected is None:
+        case(rank, world)
+        return
+    error_type, *fragments = expected
+    try:
+        case(rank, world)
+    except error_type as e:
+        missing = [f for f in fragments if f not in str(e)]
+        assert not missing, f"message lacks {missing}: {e}"
+        return
+    raise AssertionError(f"expected {error_type.__name__}, nothing was raised")
+
+
+def errors_job(rank, world):
+    out = {}
+    for name in EXPECTED:
+        try:
+            _run_case(name, rank, world)
+            out[name] = None
+        except Exception:  # noqa: BLE001 - reported per case
+            out[name] = traceback.format_exc()
+        dist.barrier()
+    return out
+
+
+_RESULTS: list = []
+
+
+@pytest.mark.parametrize("case", list(EXPECTED))
+def test_bad_input_is_a_clear_error_on_every_rank(case):
+    if not _RESULTS:
+        _RESULTS.append(run_distributed(errors_job, 2, timeout=180))
+    failures = [(r, res[case]) for r, res in enumerate(_RESULTS[0]) if res[case]]
+    assert not failures, f"rank {failures[0][0]}:\n{failures[0][1]}"
