@@ -25,7 +25,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from evenzero.localrun import LaunchOptions, RankContext, launch
+from evenzero.repro.localrun import LaunchOptions, RankContext, launch
 
 
 @dataclass(frozen=True)

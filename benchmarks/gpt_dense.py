@@ -1,6 +1,6 @@
 """Dense GPT (59M params) on CPU gloo: evenzero vs DDP vs FSDP2 (ZeRO-2) vs DeepSpeed ZeRO-2.
 
-The same as `evenzero bench`; see `evenzero.bench` for what is measured and how.
+The same as `evenzero bench`; see `evenzero.repro.bench` for what is measured and how.
 
     python benchmarks/gpt_dense.py [--world-size 4] [--steps 6] [--systems ...] [--json FILE]
 """
@@ -16,7 +16,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from evenzero import bench
+from evenzero.repro import bench
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from evenzero.gptmodel import GPT, GPT_SIZES, gpt_batch, gpt_loss
-from evenzero.sidebyside import EvenzeroSystem, InterleaveOptions, run_interleaved
+from evenzero.repro.gptmodel import GPT, GPT_SIZES, gpt_batch, gpt_loss
+from evenzero.repro.sidebyside import EvenzeroSystem, InterleaveOptions, run_interleaved
 
 SYSTEMS = ("torch-amp", "torch-bf16", "ddp", "evenzero", "deepspeed")
 TARGET = 1.05
@@ -90,7 +90,7 @@ def build(name: str, base: GPT, device: str):
     if name == "torch-bf16":
         return PlainSystem(name, copy.deepcopy(base).to(device, torch.bfloat16), fused)
     if name == "ddp":
-        from evenzero.baselines import DDPSystem
+        from evenzero.repro.baselines import DDPSystem
 
         return DDPSystem(Autocast(copy.deepcopy(base), dev_type).to(device), gpt_loss, lr=LR,
                          weight_decay=WEIGHT_DECAY, fused_adamw=fused)
@@ -99,7 +99,7 @@ def build(name: str, base: GPT, device: str):
                               lr=LR, weight_decay=WEIGHT_DECAY,
                               extra={"fused": True} if fused else None)
     if name == "deepspeed":
-        from evenzero.deepspeed_runner import DeepSpeedSystem, deepspeed_unavailable
+        from evenzero.repro.deepspeed_runner import DeepSpeedSystem, deepspeed_unavailable
 
         reason = deepspeed_unavailable()
         if reason:

@@ -22,7 +22,7 @@ try:
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from evenzero.localrun import LaunchOptions, launch
+from evenzero.repro.localrun import LaunchOptions, launch
 
 
 def profile_worker(ctx, payload: dict) -> dict:
@@ -30,10 +30,10 @@ def profile_worker(ctx, payload: dict) -> dict:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from evenzero.baselines import DDPSystem
     from evenzero.moe import expert_parallel_groups
-    from evenzero.seedmodel import SeedModel, SeedModelConfig, seed_batch, seed_loss
-    from evenzero.sidebyside import EvenzeroSystem
+    from evenzero.repro.baselines import DDPSystem
+    from evenzero.repro.seedmodel import SeedModel, SeedModelConfig, seed_batch, seed_loss
+    from evenzero.repro.sidebyside import EvenzeroSystem
 
     m = SeedModelConfig()
     groups = expert_parallel_groups(m.ep_size)

@@ -1,7 +1,7 @@
 """evenzero over world sizes and bucket sizes on CPU gloo: measured vs the cost model.
 
 For each world size W (one local job each), the job first calibrates a cost model on its
-own process group (`evenzero.calibrate.measure`), then trains a dense GPT with one
+own process group (`evenzero.cost.calibrate.measure`), then trains a dense GPT with one
 evenzero system per bucket size, interleaved step by step, and records the median
 backward+step time. Each system's plan (`ZeroOptimizer.plan`) is priced by
 `evenzero.cost.predict` on the `gloo-local` preset and on the calibrated model.
@@ -27,8 +27,8 @@ try:
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from evenzero.gptmodel import GPTConfig
-from evenzero.localrun import LaunchOptions, launch
+from evenzero.repro.gptmodel import GPTConfig
+from evenzero.repro.localrun import LaunchOptions, launch
 
 MODEL = GPTConfig(vocab=4096, seq=64, dim=384, layers=8, heads=6)
 CALIBRATION_SIZES = (2**12, 2**16, 2**18, 2**20, 2**22)
@@ -37,11 +37,11 @@ CALIBRATION_SIZES = (2**12, 2**16, 2**18, 2**20, 2**22)
 def sweep_worker(ctx, payload: dict) -> dict:
     import torch.distributed as dist
 
-    from evenzero.calibrate import measure
     from evenzero.cost import predict
-    from evenzero.cost_presets import cost_preset
-    from evenzero.gptmodel import GPT, gpt_batch, gpt_loss
-    from evenzero.sidebyside import EvenzeroSystem, InterleaveOptions, run_interleaved
+    from evenzero.cost.calibrate import measure
+    from evenzero.cost.presets import cost_preset
+    from evenzero.repro.gptmodel import GPT, gpt_batch, gpt_loss
+    from evenzero.repro.sidebyside import EvenzeroSystem, InterleaveOptions, run_interleaved
 
     calibrated = measure(sizes=CALIBRATION_SIZES, repeats=3, name=f"calibrated-w{ctx.world_size}")
     preset = cost_preset("gloo-local")

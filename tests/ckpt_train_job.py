@@ -159,7 +159,7 @@ def _crashes(specs: list[str]) -> dict[str, int]:
 
 def _arm_save_crash() -> None:
     """Make this rank's next shard write stop half-way and die, like a power cut."""
-    from evenzero import checkpoint_io
+    from evenzero.checkpoint import files as checkpoint_io
 
     real = checkpoint_io.write_file
 
@@ -182,7 +182,7 @@ def main() -> None:
     ap.add_argument("--crash", action="append", default=[])
     args = ap.parse_args()
     from evenzero import checkpoint
-    from evenzero.consolidate import export_consolidated
+    from evenzero.checkpoint.consolidate import export_consolidated
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

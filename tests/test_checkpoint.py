@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file
 
 from ckpt_train_job import JobOptions, TinyNet, batch, build, make_groups, train
-from evenzero.localrun import LaunchOptions, RankContext, launch
 from evenzero.moe import ExpertGroups
-from evenzero.seedmodel import SeedModel, SeedModelConfig, seed_batch, seed_loss
+from evenzero.repro.localrun import LaunchOptions, RankContext, launch
+from evenzero.repro.seedmodel import SeedModel, SeedModelConfig, seed_batch, seed_loss
 
 STEPS = 3
 RANKS = 4
@@ -50,7 +50,7 @@ def matrix_worker(ctx: RankContext, root: Path) -> dict:
     import torch.distributed as dist
 
     from evenzero import checkpoint
-    from evenzero.consolidate import export_consolidated, import_consolidated
+    from evenzero.checkpoint.consolidate import export_consolidated, import_consolidated
 
     out = {}
     for e in (1, 2):
@@ -109,7 +109,7 @@ def moe_round_trip(ctx: RankContext, d: Path, n: int, m: int) -> None:
     import torch.distributed as dist
 
     from evenzero import ZeroOptimizer, checkpoint
-    from evenzero.consolidate import export_consolidated
+    from evenzero.checkpoint.consolidate import export_consolidated
 
     def build_moe(world: int, bucket: int):
         groups, sub = moe_groups(world)
@@ -226,7 +226,7 @@ def corruption_worker(ctx: RankContext, root: Path) -> None:
     import torch.distributed as dist
 
     from evenzero import checkpoint
-    from evenzero.checkpoint_format import CheckpointError
+    from evenzero.checkpoint.format import CheckpointError
 
     model, opt = build(JobOptions())
     train(model, opt, 0, 2)

@@ -15,8 +15,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from evenzero.checkpoint_compat import LocalModel, LocalParam, check_compatible
-from evenzero.checkpoint_format import (
+from evenzero.checkpoint.compat import LocalModel, LocalParam, check_compatible
+from evenzero.checkpoint.files import (
+    RangeReader,
+    read_manifest,
+    verify_file,
+    write_file,
+    write_text,
+)
+from evenzero.checkpoint.format import (
     MASTER,
     CheckpointError,
     Manifest,
@@ -29,9 +36,14 @@ from evenzero.checkpoint_format import (
     rank_file,
     storage_name,
 )
-from evenzero.checkpoint_io import RangeReader, read_manifest, verify_file, write_file, write_text
+from evenzero.checkpoint.reshard import (
+    assemble_shard,
+    fill_shard,
+    plan_reads,
+    runs_index,
+    split_shard,
+)
 from evenzero.plan import Plan
-from evenzero.reshard import assemble_shard, fill_shard, plan_reads, runs_index, split_shard
 from evenzero.spec import GroupSpec, ModelSpec, ParamSpec
 from evenzero.strategies import PlanOptions, plan
 
@@ -265,7 +277,7 @@ def test_merge_rejects_ranks_that_disagree(tmp_path):
 
 
 def test_newest_complete_skips_unfinished_saves(tmp_path):
-    from evenzero.checkpoint_io import newest_complete, prepare_tmp, publish, resolve
+    from evenzero.checkpoint.files import newest_complete, prepare_tmp, publish, resolve
 
     spec = small_spec(SHAPES)
     pl = plan(spec, 2)

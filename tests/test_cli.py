@@ -112,7 +112,7 @@ def test_cost_flags_change_predictions(capsys, tmp_path):
                     "--alpha-us", "0", "--busbw-gbs", "1")["plans"][0]["summary"]
     assert flat["predicted_backward_s"] == pytest.approx(s["backward_bytes_per_rank"] / 1e9)
     path = tmp_path / "c.json"
-    from evenzero.cost_presets import PRESETS
+    from evenzero.cost.presets import PRESETS
 
     path.write_text(json.dumps(PRESETS["a100-hdr-ib"].with_params({"reduce_scatter.alpha_us": 0})
                                .to_json()))

@@ -16,8 +16,8 @@ from evenzero.cost import (
     fit_op,
     predict,
 )
-from evenzero.cost_presets import PRESETS, cost_preset, default_cost_preset, load_cost_model
-from evenzero.memory import DEEPSPEED_REDUCE_BUCKET
+from evenzero.cost.memory import DEEPSPEED_REDUCE_BUCKET
+from evenzero.cost.presets import PRESETS, cost_preset, default_cost_preset, load_cost_model
 from evenzero.plan import Collective, GroupInfo, Plan
 from evenzero.presets import preset
 from evenzero.strategies import plan
@@ -227,7 +227,7 @@ def test_memory_model_by_strategy():
 
 
 def test_calibration_on_two_local_ranks_fits_what_it_measured():
-    from evenzero.calibrate import run_local
+    from evenzero.cost.calibrate import run_local
 
     model, samples = run_local(2, sizes=(2**10, 2**18, 2**20, 2**22), repeats=7)
     assert {s.op for s in samples} == set(OPS) and all(s.group_size == 2 for s in samples)

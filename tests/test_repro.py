@@ -9,7 +9,7 @@ import pytest
 
 from evenzero import repro
 from evenzero.repro import SYSTEMS
-from evenzero.reproreport import loss_agreement
+from evenzero.repro.report import loss_agreement
 
 # Small shapes: dim 48, 8 experts at expert-parallel size 2 on 4 ranks, so the expert
 # group is a real 2-rank EDP group and the dense group spans all 4 ranks.

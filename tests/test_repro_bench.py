@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from evenzero import bench
+from evenzero.repro import bench
 
 ROOT = Path(__file__).resolve().parents[1]
 

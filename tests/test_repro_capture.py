@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from evenzero.localrun import LaunchError, LaunchOptions, launch
-from evenzero.reproreport import condensed, loss_agreement, max_rel_diff, seed_rows
+from evenzero.repro.localrun import LaunchError, LaunchOptions, launch
+from evenzero.repro.report import condensed, loss_agreement, max_rel_diff, seed_rows
 
 
 def _capture_worker(ctx, _payload):
     import torch
     import torch.distributed as dist
 
-    from evenzero.collective_capture import CaptureOptions, CollectiveCapture, record
+    from evenzero.repro.capture import CaptureOptions, CollectiveCapture, record
 
     pair = dist.new_group([1, 3])
     a2a = dist.new_group([0, 1])
@@ -52,7 +52,7 @@ def _pair_worker(ctx, _payload):
     import torch
     import torch.distributed as dist
 
-    from evenzero.collective_capture import CaptureOptions, CollectiveCapture, record
+    from evenzero.repro.capture import CaptureOptions, CollectiveCapture, record
 
     pair = dist.new_group([0, 1])
     cap = CollectiveCapture(CaptureOptions({frozenset([0, 1]): "experts"}))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from evenzero.repro import ReproConfig, run
-from evenzero.reproreport import loss_agreement, seed_rows
+from evenzero.repro.report import loss_agreement, seed_rows
 
 # shared/reference/seed-case.md: the 13 rows of the report, sorted by destination, and the
 # 14th (the gate) that appears when the gate's gradient hook is intact.

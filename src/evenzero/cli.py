@@ -6,7 +6,7 @@
                   [--cost-param OP.FIELD=V ...] [--markdown]
     evenzero calibrate --world-size W [--sizes N ...] [--repeats R] [--json FILE]
     evenzero repro ...    (evenzero.repro)
-    evenzero bench ...    (evenzero.bench)
+    evenzero bench ...    (evenzero.repro.bench)
 
 `plan` never imports torch: it is pure planning. Bad input ends in one line on stderr
 that names the problem, and exit status 2.
@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from evenzero.cost import CostModel, CostModelError, predict
-from evenzero.cost_presets import PRESETS as COST_PRESETS
-from evenzero.cost_presets import default_cost_preset, load_cost_model
+from evenzero.cost.presets import PRESETS as COST_PRESETS
+from evenzero.cost.presets import default_cost_preset, load_cost_model
 from evenzero.plan import PlanError
 from evenzero.plan_report import plans_record, summarize
 from evenzero.presets import PRESETS, preset
@@ -33,7 +33,7 @@ from evenzero.strategies import STRATEGY_NAMES, PlanOptions, plan
 
 LAZY_COMMANDS = {
     "repro": ("evenzero.repro", "run the seed case side by side: evenzero, DeepSpeed, DDP"),
-    "bench": ("evenzero.bench", "run the benchmarks"),
+    "bench": ("evenzero.repro.bench", "run the benchmarks"),
 }
 """Subcommands whose module (and torch) is imported only when they run."""
 
@@ -156,7 +156,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from evenzero import calibrate
+    from evenzero.cost import calibrate
 
     sizes = args.sizes or calibrate.DEFAULT_SIZES
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from evenzero.checkpoint_format import CheckpointError, Manifest, StoredTensor, storage_name
+from evenzero.checkpoint.format import CheckpointError, Manifest, StoredTensor, storage_name
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from evenzero.checkpoint_format import CheckpointError
-from evenzero.checkpoint_state import RankPlace
+from evenzero.checkpoint.format import CheckpointError
+from evenzero.checkpoint.state import RankPlace
 
 MESSAGE_BYTES = 2048
 """Longest error text shared between ranks; longer ones are cut."""

@@ -20,7 +20,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from evenzero.checkpoint_format import MANIFEST, CheckpointError, FileRecord, Manifest
+from evenzero.checkpoint.format import MANIFEST, CheckpointError, FileRecord, Manifest
 
 HASH_CHUNK = 16 * 2**20
 STEP_DIR = re.compile(r"^step-(\d+)$")

@@ -28,9 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from evenzero.checkpoint_agree import agree, attempt
-from evenzero.checkpoint_format import MASTER, CheckpointError
-from evenzero.checkpoint_state import (
+from evenzero.checkpoint.agree import agree, attempt
+from evenzero.checkpoint.format import MASTER, CheckpointError
+from evenzero.checkpoint.reshard import fill_shard, scatter_shard
+from evenzero.checkpoint.state import (
     RankPlace,
     StagedState,
     apply,
@@ -40,7 +41,6 @@ from evenzero.checkpoint_state import (
     inner_group,
     trainable_names,
 )
-from evenzero.reshard import fill_shard, scatter_shard
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"

@@ -13,7 +13,7 @@ number of calls times alpha: exactly what the model has to get right.
 
 An op has one or more variants (ring, tree, low-latency protocol); the model charges the
 cheapest variant that applies to the message size, as NCCL's tuner does (nccl-costs §2).
-Presets live in `evenzero.cost_presets`; `evenzero.calibrate` measures one.
+Presets live in `evenzero.cost.presets`; `evenzero.cost.calibrate` measures one.
 
 This module is planner-side: pure Python, no torch.
 """
@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from evenzero.memory import MemoryEstimate, estimate_memory
+from evenzero.cost.memory import MemoryEstimate, estimate_memory
 from evenzero.plan import BACKWARD, STEP, Collective, Plan
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "reduce")
@@ -340,7 +340,7 @@ class PlanCost:
     calls: tuple[CollectiveCost, ...]
     """Every collective of the plan, in plan order, with its cost."""
     memory: MemoryEstimate
-    """Gradient and optimizer memory per rank (see `evenzero.memory`)."""
+    """Gradient and optimizer memory per rank (see `evenzero.cost.memory`)."""
 
     def _phase(self, phase: str) -> tuple[CollectiveCost, ...]:
         return tuple(c for c in self.calls if c.collective.phase == phase)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from evenzero.gptmodel import GPT_SIZES, GPTConfig
+from evenzero.repro.gptmodel import GPT_SIZES, GPTConfig
 
 SYSTEMS = ("evenzero", "deepspeed-0.6-schedule", "ddp", "fsdp2", "deepspeed",
            "deepspeed-reduce-mode")
@@ -73,7 +73,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    from evenzero.localrun import LaunchError, LaunchOptions, launch
+    from evenzero.repro.localrun import LaunchError, LaunchOptions, launch
 
     try:
         config = config_from_args(args)
@@ -94,9 +94,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def bench_worker(ctx, config: BenchConfig) -> dict[str, Any]:
-    from evenzero.collective_capture import record
-    from evenzero.gptmodel import gpt_batch
-    from evenzero.sidebyside import InterleaveOptions, run_interleaved
+    from evenzero.repro.capture import record
+    from evenzero.repro.gptmodel import gpt_batch
+    from evenzero.repro.sidebyside import InterleaveOptions, run_interleaved
 
     systems, skipped = dense_systems(ctx, config)
     results = run_interleaved(
@@ -116,10 +116,10 @@ def bench_worker(ctx, config: BenchConfig) -> dict[str, Any]:
 
 def dense_systems(ctx, config: BenchConfig) -> tuple[list, list[dict]]:
     """Each requested system around its own copy of the same GPT."""
-    from evenzero.baselines import DDPSystem, FSDP2System
-    from evenzero.deepspeed_runner import DeepSpeedSystem, deepspeed_unavailable
-    from evenzero.gptmodel import GPT, blocks, gpt_loss
-    from evenzero.sidebyside import EvenzeroSystem
+    from evenzero.repro.baselines import DDPSystem, FSDP2System
+    from evenzero.repro.deepspeed_runner import DeepSpeedSystem, deepspeed_unavailable
+    from evenzero.repro.gptmodel import GPT, blocks, gpt_loss
+    from evenzero.repro.sidebyside import EvenzeroSystem
 
     def model():
         return GPT(config.model).to(ctx.device)
@@ -149,7 +149,7 @@ def print_bench(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from evenzero.reproreport import condensed, max_rel_diff
+    from evenzero.repro.report import condensed, max_rel_diff
 
     console = Console(width=max(Console().width, 130))
     systems = report["systems"]

@@ -4,11 +4,11 @@
     evenzero.checkpoint.load(opt, "ckpt")            # newest complete one, every rank
 
 Each rank writes only what it owns: for every run of a parameter in its flat shard, the
-fp32 master and optimizer-state slices (`evenzero.checkpoint_format`), so the files do
+fp32 master and optimizer-state slices (`evenzero.checkpoint.format`), so the files do
 not depend on world size or bucket size and a load reshards by parameter name and
-range (`evenzero.reshard`). Rank 0 adds the model's buffers and frozen parameters and,
+range (`evenzero.checkpoint.reshard`). Rank 0 adds the model's buffers and frozen parameters and,
 once every rank has written and fsynced, the manifest; then it renames the staging
-directory into place (`evenzero.checkpoint_io`). A crash at any point leaves the
+directory into place (`evenzero.checkpoint.files`). A crash at any point leaves the
 previous checkpoint as the newest complete one.
 
 Every collective step ends in an agreement: each rank reports whether it failed and the
@@ -18,7 +18,7 @@ rank never leaves the others waiting in a collective. A load validates everythin
 changes any state.
 
 To leave evenzero (or arrive from plain PyTorch), `export_consolidated(opt, path)` and
-`import_consolidated(opt, path)` (from `evenzero.consolidate`, re-exported here) write
+`import_consolidated(opt, path)` (from `evenzero.checkpoint.consolidate`, re-exported here) write
 and read a whole `model.state_dict()` and a torch optimizer state dict keyed by name.
 """
 
@@ -31,10 +31,16 @@ from typing import Any
 
 import torch
 
-from evenzero import checkpoint_io
-from evenzero.checkpoint_agree import agree, attempt
-from evenzero.checkpoint_compat import check_compatible
-from evenzero.checkpoint_format import (
+from evenzero.checkpoint import files as checkpoint_io
+from evenzero.checkpoint.agree import agree, attempt
+from evenzero.checkpoint.compat import check_compatible
+from evenzero.checkpoint.consolidate import (
+    consolidated_state_dict,
+    export_consolidated,
+    import_consolidated,
+    load_consolidated_state_dict,
+)
+from evenzero.checkpoint.format import (
     EXTRA_FILE,
     MANIFEST,
     MASTER,
@@ -51,7 +57,8 @@ from evenzero.checkpoint_format import (
     rank_file,
     step_dirname,
 )
-from evenzero.checkpoint_state import (
+from evenzero.checkpoint.reshard import assemble_shard, plan_reads, runs_index, split_shard
+from evenzero.checkpoint.state import (
     RankPlace,
     StagedState,
     apply,
@@ -63,13 +70,6 @@ from evenzero.checkpoint_state import (
     optimizer_class,
     trainable_names,
 )
-from evenzero.consolidate import (
-    consolidated_state_dict,
-    export_consolidated,
-    import_consolidated,
-    load_consolidated_state_dict,
-)
-from evenzero.reshard import assemble_shard, plan_reads, runs_index, split_shard
 
 
 def save(opt: Any, directory: str | os.PathLike, step: int | None = None) -> Path:

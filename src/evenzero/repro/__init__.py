@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from evenzero.seedmodel import SeedModelConfig
+from evenzero.repro.seedmodel import SeedModelConfig
 
 SYSTEMS = ("evenzero", "deepspeed-0.6-schedule", "ddp", "deepspeed", "deepspeed-reduce-mode")
 EXACT_SYSTEMS = ("evenzero", "deepspeed-0.6-schedule", "ddp")
@@ -101,8 +101,8 @@ def config_from_args(args: argparse.Namespace) -> ReproConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    from evenzero import reproreport
-    from evenzero.localrun import LaunchError
+    from evenzero.repro import report as reproreport
+    from evenzero.repro.localrun import LaunchError
 
     try:
         config = config_from_args(args)
@@ -126,7 +126,7 @@ def main(args: argparse.Namespace) -> int:
 
 def run(config: ReproConfig, progress: bool = False) -> dict[str, Any]:
     """Run the side-by-side job; returns the JSON-ready report."""
-    from evenzero.localrun import LaunchOptions, launch
+    from evenzero.repro.localrun import LaunchOptions, launch
 
     options = LaunchOptions(config.world_size, config.backend, config.timeout_s)
     total = (config.steps + config.warmup) * len(config.systems)
@@ -150,9 +150,9 @@ def repro_worker(ctx, config: ReproConfig) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from evenzero.collective_capture import CaptureOptions, record
     from evenzero.moe import expert_parallel_groups
-    from evenzero.sidebyside import InterleaveOptions, run_interleaved
+    from evenzero.repro.capture import CaptureOptions, record
+    from evenzero.repro.sidebyside import InterleaveOptions, run_interleaved
 
     m = config.model
     groups = expert_parallel_groups(m.ep_size)
@@ -165,7 +165,7 @@ def repro_worker(ctx, config: ReproConfig) -> dict[str, Any]:
     torch.manual_seed(m.seed)
 
     def batch(step: int):
-        from evenzero.seedmodel import seed_batch
+        from evenzero.repro.seedmodel import seed_batch
 
         return seed_batch(m, step, ctx.rank, ctx.world_size)
 
@@ -193,9 +193,9 @@ def repro_worker(ctx, config: ReproConfig) -> dict[str, Any]:
 
 
 def _build_systems(ctx, config: ReproConfig, groups, capture) -> tuple[list, list[dict]]:
-    from evenzero.baselines import DDPSystem
-    from evenzero.seedmodel import SeedModel, seed_loss
-    from evenzero.sidebyside import EvenzeroSystem
+    from evenzero.repro.baselines import DDPSystem
+    from evenzero.repro.seedmodel import SeedModel, seed_loss
+    from evenzero.repro.sidebyside import EvenzeroSystem
 
     m = config.model
     systems: list = []
@@ -222,13 +222,13 @@ def _build_systems(ctx, config: ReproConfig, groups, capture) -> tuple[list, lis
 
 
 def _deepspeed_system(ctx, config: ReproConfig, name: str, groups, capture):
-    from evenzero.deepspeed_runner import (
+    from evenzero.repro.deepspeed_runner import (
         DeepSpeedSeedModel,
         DeepSpeedSystem,
         check_expert_layout,
         deepspeed_unavailable,
     )
-    from evenzero.seedmodel import seed_loss
+    from evenzero.repro.seedmodel import seed_loss
 
     reason = deepspeed_unavailable()
     if reason is not None:

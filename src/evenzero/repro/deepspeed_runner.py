@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from evenzero.collective_capture import CaptureOptions, CollectiveCapture
 from evenzero.plan import BACKWARD, STEP, Collective
-from evenzero.seedmodel import SeedModelConfig, seed_weights
-from evenzero.sidebyside import Batch, LossFn
+from evenzero.repro.capture import CaptureOptions, CollectiveCapture
+from evenzero.repro.seedmodel import SeedModelConfig, seed_weights
+from evenzero.repro.sidebyside import Batch, LossFn
 
 
 def deepspeed_unavailable() -> str | None:

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from evenzero.checkpoint_compat import LocalModel, LocalParam
-from evenzero.checkpoint_format import MASTER, CheckpointError, StoredTensor, storage_name
+from evenzero.checkpoint.compat import LocalModel, LocalParam
+from evenzero.checkpoint.format import MASTER, CheckpointError, StoredTensor, storage_name
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from evenzero.collective_capture import CaptureOptions, CollectiveCapture
 from evenzero.plan import BACKWARD, STEP, Collective
-from evenzero.sidebyside import Batch, LossFn
+from evenzero.repro.capture import CaptureOptions, CollectiveCapture
+from evenzero.repro.sidebyside import Batch, LossFn
 
 
 class ExpertGradReducer:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from evenzero.checkpoint_format import CheckpointError, StoredParam, StoredRange, tensor_key
+from evenzero.checkpoint.format import CheckpointError, StoredParam, StoredRange, tensor_key
 from evenzero.plan import ShardRange
 
 

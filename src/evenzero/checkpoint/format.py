@@ -10,7 +10,7 @@ slice and the optimizer-state slices, keyed by parameter name and element range:
 
 Bucket padding is never stored and nothing names a bucket or a world size, so a
 checkpoint written on N ranks with one bucket size loads on M ranks with another: the
-loader maps ranges by parameter name (see `evenzero.reshard`). Expert parameters of a
+loader maps ranges by parameter name (see `evenzero.checkpoint.reshard`). Expert parameters of a
 group with expert-parallel size E > 1 differ across the E expert-parallel ranks that
 share a local name, so they are stored as `name@ep<e>`; E must match on load.
 
