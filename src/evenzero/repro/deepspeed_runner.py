@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from evenzero.moe import Expert
 from evenzero.plan import BACKWARD, STEP, Collective
 from evenzero.repro.capture import CaptureOptions, CollectiveCapture
 from evenzero.repro.seedmodel import SeedModelConfig, seed_weights
@@ -40,18 +41,6 @@ def deepspeed_unavailable() -> str | None:
     return None
 
 
-class DeepSpeedExpert(nn.Module):
-    """One expert in the shape evenzero's MoE uses: fc2(relu(fc1(x)))."""
-
-    def __init__(self, dim: int, ffn_dim: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, ffn_dim)
-        self.fc2 = nn.Linear(ffn_dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.relu(self.fc1(x)))
-
-
 class DeepSpeedSeedModel(nn.Module):
     """The seed model with `deepspeed.moe.layer.MoE` in place of evenzero's MoE."""
 
@@ -62,7 +51,7 @@ class DeepSpeedSeedModel(nn.Module):
         d = config.dim
         self.fc1 = nn.Linear(d, d)
         self.fc2 = nn.Linear(d, d)
-        self.moe = MoE(d, DeepSpeedExpert(d, d), num_experts=config.num_experts,
+        self.moe = MoE(d, Expert(d, d), num_experts=config.num_experts,
                        ep_size=config.ep_size, k=1, capacity_factor=1.0, min_capacity=0,
                        noisy_gate_policy=None, drop_tokens=False, use_rts=False)
         self.ep_rank = ep_rank
