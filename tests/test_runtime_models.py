@@ -102,6 +102,9 @@ def train_pair(rank: int, world: int, make_model: Callable[[], nn.Module], loss_
                 [p for p in ref.parameters() if p.requires_grad], clip))))
         ref_opt.step()
         ref_opt.zero_grad()
+    # The last step's parameter gathers overlap the next forward, and there is none:
+    # reading the parameters directly needs the documented wait.
+    opt.wait_for_params()
     return model, ref, opt, norms
 
 

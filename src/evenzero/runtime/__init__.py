@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from evenzero.runtime.checks import ZeroConfigError, ZeroRuntimeError
 from evenzero.runtime.config import ELEMENTWISE_OPTIMIZERS, ZeroConfig
+from evenzero.runtime.gradstats import GradStats
 from evenzero.runtime.memory import MemoryReport
-from evenzero.runtime.optimizer import GradStats, ZeroOptimizer
+from evenzero.runtime.optimizer import ZeroOptimizer
 from evenzero.runtime.precision import LossScaleConfig, LossScaler
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "GradStats", "LossScaleConfig", "LossScaler",

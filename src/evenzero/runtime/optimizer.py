@@ -15,35 +15,32 @@ Lifecycle of one step:
    complete, overlapped with the rest of backward;
 4. `clip_grad_norm_` / `step`: one small all-reduce over the world carries the squared
    norm, the overflow flag and a presence bit per parameter; then the inner optimizer
-   steps the master shards and each layout is all-gathered back into the parameters.
+   steps the master shards and each layout's all-gather is launched, in forward order;
+5. with `overlap_param_gather=True` the step returns without waiting and each module
+   waits for the gathers of its own parameters in a forward pre-hook, so they overlap
+   the next forward (`runtime/prefetch.py`); read parameters outside their modules'
+   forward only after `opt.wait_for_params()` (`opt.module`, `state_dict()` and the
+   optimizer's own methods wait by themselves).
 
-Usage beyond the basic loop:
-
-* gradient accumulation: `with opt.no_sync(): loss.backward()` for all but the last
-  micro-batch (no communication; stage 2 keeps the local sum in `param.grad` meanwhile).
-  Without `no_sync`, stage 2 reduces every micro-batch into its fp32 shard.
-* mixed precision: bf16/fp16 models keep fp32 master shards (`master_dtype`);
-  `reduce_dtype=` picks the gradient message dtype; fp16 turns on dynamic loss scaling:
-  `opt.backward(loss)` (or `opt.scale_loss(loss).backward()`), and a step with an
-  overflow on any rank is skipped on every rank (`opt.last_step_skipped`).
-* MoE: mark expert params DeepSpeed-style (`evenzero.moe.MoE` does) and pass
-  `expert_groups={"ep_size_4": edp_group}`, or give `param_groups` with a
-  `process_group`. Every gradient is divided by the world size, experts included.
-* `strategy="deepspeed-0.6"` executes DeepSpeed's reduce schedule in this engine.
+Usage beyond the basic loop (gradient accumulation with `no_sync()`, mixed precision
+and fp16 loss scaling with `opt.backward(loss)`, MoE `expert_groups`, checkpoints with
+`opt.save` / `opt.load`, DeepSpeed's schedule with `strategy="deepspeed-0.6"`) is in the
+README and in `ZeroConfig`'s field docstrings.
 
 Semantics worth knowing: a parameter that produced no gradient on any rank is stepped
 with a zero gradient (as in DeepSpeed, Megatron and FSDP), not skipped as torch.optim
 skips `grad=None`; one that produced a gradient on some ranks only is an error unless
-`allow_partial_grads=True`. Every rank must run backward through at least one managed
-parameter in each backward, and reentrant activation checkpointing is not supported.
+`allow_partial_grads=True`. A rank whose backward reaches no managed parameter (but
+does go through the module's output) reduces zeros, so the others do not wait for it;
+the step then names the parameters, as above. Reentrant activation checkpointing is not
+supported.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -51,26 +48,18 @@ import torch.distributed as dist
 
 from evenzero.plan import STEP, Collective, Plan, PlanError
 from evenzero.runtime.buckets import FlatParams
-from evenzero.runtime.checks import ZeroConfigError, ZeroRuntimeError, check_presence
-from evenzero.runtime.collectives import Trace, all_reduce_sum, default_reduce_scatter_algorithm
+from evenzero.runtime.checks import ZeroConfigError, ZeroRuntimeError
+from evenzero.runtime.collectives import Trace, default_reduce_scatter_algorithm
 from evenzero.runtime.config import ZeroConfig
+from evenzero.runtime.gradstats import GradStats, reduce_grad_stats
 from evenzero.runtime.hooks import BackwardHooks
 from evenzero.runtime.memory import MemoryReport, measure
-from evenzero.runtime.precision import LossScaler, as_dtype
+from evenzero.runtime.precision import as_dtype, loss_scaler_for
+from evenzero.runtime.prefetch import ParamPrefetch
 from evenzero.runtime.reducer import GradientReducer
 from evenzero.runtime.routes import plan_routes
 from evenzero.runtime.setup import establish, make_plan
-from evenzero.runtime.shards import GroupState, gather_order, gather_params, load_masters, reshard
-
-
-@dataclass(frozen=True)
-class GradStats:
-    """What the step's all-reduce established."""
-
-    norm: float
-    """Global 2-norm of the (unscaled) gradients over every rank and group."""
-    overflow: bool
-    """A non-finite gradient exists on some rank."""
+from evenzero.runtime.shards import GroupState, gather_order, load_masters, reshard_group
 
 
 class ZeroOptimizer:
@@ -106,7 +95,7 @@ class ZeroOptimizer:
             # Raised after the ranks agree, so a rank with a bad setting cannot leave the
             # others waiting in the construction collectives.
             self.config, config_error = config or ZeroConfig(), str(e)
-        self.module = module
+        self._module = module
         self.world_group = dist.group.WORLD if process_group is None else process_group
         self.world_size = dist.get_world_size(self.world_group)
         setup = establish(module, optimizer_class, param_groups, self.config, expert_groups,
@@ -125,14 +114,8 @@ class ZeroOptimizer:
         self.reduce_scatter_algorithm = (cfg.reduce_scatter_algorithm or
                                          default_reduce_scatter_algorithm(backend, setup.device.type))
         param_dtypes = {g.name: g.params[0].dtype for g in setup.groups}
-        if cfg.loss_scale is None:
-            fp16 = any(d == torch.float16 for d in param_dtypes.values())
-            self.loss_scaler = LossScaler(fp16, cfg.loss_scale_config)
-        elif cfg.loss_scale == "dynamic":
-            self.loss_scaler = LossScaler(True, cfg.loss_scale_config)
-        else:
-            self.loss_scaler = LossScaler(True, replace(cfg.loss_scale_config,
-                                                        init_scale=float(cfg.loss_scale)), dynamic=False)
+        self.loss_scaler = loss_scaler_for(cfg.loss_scale, cfg.loss_scale_config,
+                                            list(param_dtypes.values()))
 
         plan = make_plan(self.spec, self.world_size, cfg, setup.group_sizes)
         self.groups: dict[str, GroupState] = {}
@@ -144,6 +127,7 @@ class ZeroOptimizer:
                 torch.zeros(n, dtype=master_dtype, device=setup.device),
                 torch.zeros(n, dtype=master_dtype, device=setup.device), g.options)
         self.trace_log = Trace()
+        self._prefetch = ParamPrefetch(module, self.params)
         self._install(plan, previous=None)
         self.optimizer = optimizer_class(
             [{"params": [self.groups[g.name].master], **self.groups[g.name].options}
@@ -157,13 +141,17 @@ class ZeroOptimizer:
         self._backward_since_step = False
         self._presence = [0.0] * len(self._names)
         self._stats: GradStats | None = None
-        self._hooks = BackwardHooks(setup.named, self._on_grad, self._on_backward_end)
+        self._read_early: list[str] = []
+        self._stale_layouts: set = set()
+        self._hooks = BackwardHooks(module, setup.named, self._on_grad, self._on_backward_end,
+                                    self._on_backward_start)
         self._hooks.record_arrival()
 
     # ------------------------------------------------------------------ the plan
 
     def _install(self, plan: Plan, previous: Plan | None) -> None:
         """Make `plan` the executed one: routes, flat buffers, masters, reducer."""
+        self._prefetch.wait_all()
         routes = plan_routes(plan, dict(self._setup.group_ranks))
         if plan.strategy == "evenzero" and any(r.direct_shard_offset is None for r in routes):
             raise PlanError("evenzero plan has a bucket whose reduce-scatter output is not this "
@@ -174,19 +162,14 @@ class ZeroOptimizer:
                 if previous is None:
                     load_masters(plan, self._flat, st)
                     continue
-                old_numel = st.master.numel()
-                state = self.optimizer.state.get(st.master, {})
-                for key, value in list(state.items()):
-                    if torch.is_tensor(value) and value.dim() == 1 and value.numel() == old_numel:
-                        state[key] = reshard(value, previous, plan, st)
-                st.master.data = reshard(st.master.detach(), previous, plan, st)
-                st.grad = torch.zeros_like(st.master)
+                reshard_group(self.optimizer, previous, plan, st)
         self.plan = plan
         self._reducer = GradientReducer(routes, self.params, self.groups, self.config.stage,
                                         self.reduce_scatter_algorithm, self.world_size,
                                         self.trace_log, self.config.max_buckets_in_flight,
                                         self._setup.device)
         self._gather_order = gather_order(plan, self.groups)
+        self._prefetch.bind(plan, self._flat, self.groups, self._gather_order)
         self._check_record = Collective(STEP, "all_reduce", "world", self.world_size, None, None,
                                         0, len(self._names) + 2, itemsize=4)
 
@@ -196,6 +179,12 @@ class ZeroOptimizer:
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.world_group, 0),
                                    group=self.world_group)
         order = box[0]
+        if not order:
+            # Rank 0's backward reached no managed parameter: nothing was measured, so
+            # keep the assumed order and measure the next backward instead.
+            self._measuring = True
+            self._hooks.record_arrival()
+            return
         unchanged = tuple(order) == self.plan.arrival
         self.spec = self.spec.with_arrival(order, "measured")
         if unchanged:
@@ -206,12 +195,21 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------ backward
 
+    def _on_backward_start(self) -> None:
+        # Layouts no forward pre-hook waited for; a gradient for one of their parameters
+        # means the parameter was read while its gather could still be running.
+        self._stale_layouts = set(self._prefetch.pending)
+        self._prefetch.wait_all()
+
     def _on_grad(self, name: str) -> None:
         self._presence[self._index[name]] = 1.0
+        if self._stale_layouts and self._prefetch.layout_of(name) in self._stale_layouts:
+            self._read_early.append(name)
         if self._sync and not self._measuring:
             self._reducer.grad_ready(name)
 
     def _on_backward_end(self) -> None:
+        self._stale_layouts = set()
         if self._measuring:
             self._measuring = False
             self._adopt_arrival(self._hooks.take_arrival() or [])
@@ -222,11 +220,18 @@ class ZeroOptimizer:
             return
         self._unsynced = False
         problems = self._reducer.finish()
+        if self._read_early:
+            problems.append(
+                f"parameter {self._read_early[0]!r} was used in forward before the step's "
+                f"all-gather of it had finished (it was read outside the forward of a module "
+                f"that holds it); call opt.wait_for_params() before such a forward, or build "
+                f"ZeroOptimizer with overlap_param_gather=False")
+            self._read_early = []
         if problems:
             raise ZeroRuntimeError(problems[0])
-        for p in self.module.parameters():
+        for p in self._module.parameters():
             if p.grad is not None and id(p) not in self._managed and p.requires_grad:
-                name = next((n for n, q in self.module.named_parameters() if q is p), "?")
+                name = next((n for n, q in self._module.named_parameters() if q is p), "?")
                 raise ZeroRuntimeError(
                     f"parameter {name!r} has a gradient but ZeroOptimizer does not manage it "
                     f"(added, replaced or unfrozen after construction); build ZeroOptimizer "
@@ -235,6 +240,7 @@ class ZeroOptimizer:
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally, without communication."""
+        self._prefetch.wait_all()
         previous, self._sync = self._sync, False
         try:
             yield
@@ -264,24 +270,13 @@ class ZeroOptimizer:
                                    f"backward outside no_sync()")
 
     def _grad_stats(self) -> GradStats:
-        """The step's one all-reduce: presence bits, squared norm, overflow flag."""
-        if self._stats is not None:
-            return self._stats
-        n = len(self._names)
-        sq = sum((torch.linalg.vector_norm(st.grad.float()) ** 2).to(self._setup.comm_device)
-                 for st in self.groups.values())
-        vec = torch.zeros(n + 2, dtype=torch.float32, device=self._setup.comm_device)
-        vec[:n] = torch.tensor(self._presence, dtype=torch.float32)
-        vec[n] = sq
-        vec[n + 1] = (~torch.isfinite(sq)).float()  # on device: no host sync before the call
-        all_reduce_sum(vec, self.world_group)
-        self.trace_log.record(self._check_record, "all_reduce")
-        values = vec.tolist()
-        check_presence(values[:n], self._names, self.world_size, self.config.allow_partial_grads)
-        total = values[n]
-        overflow = values[n + 1] > 0 or not math.isfinite(total)
-        norm = math.sqrt(total) / self.loss_scaler.scale if not overflow else math.inf
-        self._stats = GradStats(norm, overflow)
+        """The step's one all-reduce, once per step (clip and step share it)."""
+        if self._stats is None:
+            self._stats = reduce_grad_stats(
+                (st.grad for st in self.groups.values()), self._presence, self._names,
+                self.world_group, self.world_size, self._setup.comm_device,
+                self.loss_scaler.scale, self.config.allow_partial_grads)
+            self.trace_log.record(self._check_record, "all_reduce")
         return self._stats
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -290,6 +285,7 @@ class ZeroOptimizer:
         if float(norm_type) != 2.0:
             raise ZeroConfigError(f"clip_grad_norm_: only norm_type=2 is supported, got {norm_type}")
         self._check_can_step("clip_grad_norm_")
+        self._prefetch.wait_all()
         stats = self._grad_stats()
         if not stats.overflow:
             coef = max_norm / (stats.norm + 1e-6)
@@ -305,6 +301,7 @@ class ZeroOptimizer:
             raise ZeroConfigError("step(closure) is not supported; compute the loss and call "
                                   "backward() before step()")
         self._check_can_step("step")
+        self._prefetch.wait_all()
         stats = self._grad_stats()
         self.last_step_skipped = stats.overflow and self.loss_scaler.enabled
         if self.last_step_skipped:
@@ -322,7 +319,7 @@ class ZeroOptimizer:
                 st.master.grad = None
             self.loss_scaler.update(overflow=False)
             self._flat.repoint_moved()
-            gather_params(self.plan, self._flat, self.groups, self._gather_order, self.trace_log)
+            self._prefetch.launch(self.trace_log, self.config.overlap_param_gather)
             self.step_count += 1
         self.trace_log.close_step()
         self._presence = [0.0] * len(self._names)
@@ -336,6 +333,7 @@ class ZeroOptimizer:
             # A backward raised before its end callback ran; start the next one clean.
             self._hooks.in_backward = False
             self._reducer.abandon()
+            self._stale_layouts, self._read_early = set(), []
         for st in self.groups.values():
             st.grad.zero_()
         self._reducer.zero_()
@@ -370,11 +368,38 @@ class ZeroOptimizer:
     def process_group(self, group: str):
         return self._group(group).process_group
 
+    @property
+    def module(self) -> torch.nn.Module:
+        """The wrapped model, with every parameter gathered (waits for the step's gathers)."""
+        self._prefetch.wait_all()
+        return self._module
+
+    def wait_for_params(self) -> None:
+        """Wait until the last step's parameter all-gathers are done, so every parameter
+        holds its new value. Needed only before reading parameters outside the forward of
+        the modules that hold them (forward pre-hooks, `state_dict()`, `opt.module` and
+        this optimizer's own methods wait by themselves); a no-op when nothing is pending."""
+        self._prefetch.wait_all()
+
     def sync_params_from_master(self) -> None:
-        """Re-gather the model parameters from the master shards (after loading them)."""
+        """Re-gather the model parameters from the master shards (after loading them);
+        returns with every parameter gathered."""
         with torch.no_grad():
+            self._prefetch.wait_all()
             self._flat.repoint_moved()
-            gather_params(self.plan, self._flat, self.groups, self._gather_order, None)
+            self._prefetch.launch(None, overlap=False)
+
+    def save(self, directory, step: int | None = None):
+        """Write a sharded, atomic checkpoint (see `evenzero.checkpoint.save`)."""
+        from evenzero.checkpoint import save
+
+        return save(self, directory, step)
+
+    def load(self, directory):
+        """Load the newest complete checkpoint, any world size (`evenzero.checkpoint.load`)."""
+        from evenzero.checkpoint import load
+
+        return load(self, directory)
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds now for gradients, master weights and optimizer state."""

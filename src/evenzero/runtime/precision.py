@@ -12,7 +12,7 @@ step's single all-reduce), and a step with an overflow anywhere is skipped every
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -102,3 +102,13 @@ class LossScaler:
         self.scale = float(state["scale"])
         self.good_steps = int(state["good_steps"])
         self.overflows = int(state.get("overflows", 0))
+
+
+def loss_scaler_for(loss_scale: str | float | None, config: LossScaleConfig,
+                    param_dtypes: list[torch.dtype]) -> LossScaler:
+    """`ZeroConfig.loss_scale` to a scaler: None means dynamic for fp16 params, else off."""
+    if loss_scale is None:
+        return LossScaler(any(d == torch.float16 for d in param_dtypes), config)
+    if loss_scale == "dynamic":
+        return LossScaler(True, config)
+    return LossScaler(True, replace(config, init_scale=float(loss_scale)), dynamic=False)

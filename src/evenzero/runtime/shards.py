@@ -17,7 +17,7 @@ import torch
 
 from evenzero.plan import STEP, Collective, Plan
 from evenzero.runtime.buckets import FlatParams
-from evenzero.runtime.collectives import Trace, all_gather_flat, all_gather_layout
+from evenzero.runtime.collectives import all_gather_flat
 from evenzero.runtime.precision import dtype_name
 from evenzero.spec import DTYPE_BYTES
 
@@ -63,26 +63,6 @@ def load_masters(plan: Plan, flat: FlatParams, state: GroupState) -> None:
         state.master[base:base + per].copy_(flat.owned_slice(state.name, index))
 
 
-def gather_params(plan: Plan, flat: FlatParams, states: Mapping[str, GroupState],
-                  order: tuple[Collective, ...], trace: Trace | None) -> None:
-    """Write each master shard into its slices and all-gather every layout, in `order`.
-
-    The gathers are issued back to back and waited for together, so their latencies
-    overlap instead of adding up (one gather per layout is many on small buckets)."""
-    works = []
-    for c in order:
-        st = states[c.group]
-        base = {i: b for i, b, _ in layout_bases(plan, c.group)}[c.bucket]
-        mine = flat.owned_slice(c.group, c.bucket)
-        mine.copy_(st.master[base:base + mine.numel()])
-        works.append(all_gather_layout(flat.buffers[(c.group, c.bucket)], st.rank,
-                                       st.process_group))
-        if trace is not None:
-            trace.record(c, "all_gather_into_tensor")
-    for w in works:
-        w.wait()
-
-
 def param_values(plan: Plan, shard: torch.Tensor, state: GroupState) -> dict[str, torch.Tensor]:
     """Every parameter of the group, whole and flat, gathered from the ranks' shards."""
     out: dict[str, torch.Tensor] = {}
@@ -116,3 +96,15 @@ def gather_order(plan: Plan, groups: Mapping[str, GroupState]) -> tuple[Collecti
                             0, lay.numel,
                             itemsize=DTYPE_BYTES[dtype_name(groups[lay.group].param_dtype)])
                  for lay in plan.layouts)
+
+
+def reshard_group(optimizer: torch.optim.Optimizer, old: Plan, new: Plan,
+                  state: GroupState) -> None:
+    """Move a group's master shard, and its optimizer state shaped like it, to a new plan."""
+    old_numel = state.master.numel()
+    opt_state = optimizer.state.get(state.master, {})
+    for key, value in list(opt_state.items()):
+        if torch.is_tensor(value) and value.dim() == 1 and value.numel() == old_numel:
+            opt_state[key] = reshard(value, old, new, state)
+    state.master.data = reshard(state.master.detach(), old, new, state)
+    state.grad = torch.zeros_like(state.master)
