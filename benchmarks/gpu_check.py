@@ -65,6 +65,7 @@ def train_evenzero(model: nn.Module, batches, **kw) -> nn.Module:
         opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
+    opt.wait_for_params()  # parameters are read directly below
     algos = sorted({c.algorithm for c in opt.trace if c.phase == "backward"})
     print(f"    plan: {len(opt.plan.backward())} backward collectives; algorithm {algos}")
     return model
@@ -87,6 +88,8 @@ def main(argv: list[str]) -> int:
     failures = 0
     cases = [("fp32 stage 2", torch.float32, {"stage": 2}, 1e-5),
              ("fp32 stage 1", torch.float32, {"stage": 1}, 1e-5),
+             ("fp32 stage 2, gather overlapped with forward", torch.float32,
+              {"stage": 2, "overlap_param_gather": True}, 1e-5),
              ("bf16 params, fp32 masters, stage 2", torch.bfloat16, {"stage": 2}, 1e-2)]
     for name, dtype, kw, tol in cases:
         base = make_model().to(dev, dtype)
