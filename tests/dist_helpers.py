@@ -117,3 +117,36 @@ def _stacks(procs, ranks: list[int], files: list[str]) -> str:
         text = Path(files[r]).read_text() if Path(files[r]).exists() else ""
         out += f"\n--- rank {r} stacks ---\n{text[-4000:] or '(none)'}"
     return out
+
+
+def run_checks(checks: dict[str, Callable[[], None]], barrier: bool = False) -> dict[str, str | None]:
+    """Run every check inside one spawned job; a failure is kept (with its traceback) by
+    name instead of aborting the rest, so one spawn serves many pytest cases."""
+    out: dict[str, str | None] = {}
+    for name, check in checks.items():
+        try:
+            check()
+            out[name] = None
+        except Exception:  # noqa: BLE001 - reported per check to the parent
+            out[name] = traceback.format_exc()
+        if barrier:
+            import torch.distributed as dist
+
+            dist.barrier()
+    return out
+
+
+class CheckResults:
+    """Spawns `job` once per argument tuple and caches what `run_checks` returned on each
+    rank; `assert_passed` then fails a pytest case with the first failing rank's traceback."""
+
+    def __init__(self, job: Callable[..., dict[str, str | None]], timeout: float) -> None:
+        self.job, self.timeout = job, timeout
+        self._cache: dict[tuple, list[dict[str, str | None]]] = {}
+
+    def assert_passed(self, check: str, world: int, *args: Any) -> None:
+        key = (world, *args)
+        if key not in self._cache:
+            self._cache[key] = run_distributed(self.job, world, args, timeout=self.timeout)
+        failures = [(r, res[check]) for r, res in enumerate(self._cache[key]) if res[check]]
+        assert not failures, f"rank {failures[0][0]}:\n{failures[0][1]}"

@@ -7,12 +7,12 @@ each check reports its own traceback so a failure names what broke.
 from __future__ import annotations
 
 import dataclasses
-import traceback
+from functools import partial
 
 import pytest
 import torch
 
-from dist_helpers import run_distributed
+from dist_helpers import CheckResults, run_checks
 from test_runtime_models import (
     MLP,
     Quirky,
@@ -218,27 +218,13 @@ CHECKS = {
 
 
 def equivalence_job(rank: int, world: int) -> dict[str, str | None]:
-    out = {}
-    for name, check in CHECKS.items():
-        try:
-            check(rank, world)
-            out[name] = None
-        except Exception:  # noqa: BLE001 - reported per check to the parent
-            out[name] = traceback.format_exc()
-    return out
+    return run_checks({name: partial(check, rank, world) for name, check in CHECKS.items()})
 
 
-_RESULTS: dict[int, list[dict]] = {}
-
-
-def _results(world: int) -> list[dict]:
-    if world not in _RESULTS:
-        _RESULTS[world] = run_distributed(equivalence_job, world, timeout=240)
-    return _RESULTS[world]
+RESULTS = CheckResults(equivalence_job, timeout=240)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, pytest.param(8, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("check", list(CHECKS))
 def test_matches_single_process_training(world, check):
-    failures = [(r, res[check]) for r, res in enumerate(_results(world)) if res[check]]
-    assert not failures, f"rank {failures[0][0]}:\n{failures[0][1]}"
+    RESULTS.assert_passed(check, world)

@@ -6,14 +6,14 @@ failure. Each case must raise on *every* rank (checked per rank by the parent).
 
 from __future__ import annotations
 
-import traceback
+from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_helpers import run_distributed
+from dist_helpers import CheckResults, run_checks
 from test_runtime_models import MLP, mlp_batch, mlp_loss, part
 
 
@@ -191,23 +191,13 @@ def _run_case(name: str, rank: int, world: int) -> None:
 
 
 def errors_job(rank, world):
-    out = {}
-    for name in EXPECTED:
-        try:
-            _run_case(name, rank, world)
-            out[name] = None
-        except Exception:  # noqa: BLE001 - reported per case
-            out[name] = traceback.format_exc()
-        dist.barrier()
-    return out
+    return run_checks({name: partial(_run_case, name, rank, world) for name in EXPECTED},
+                      barrier=True)
 
 
-_RESULTS: list = []
+RESULTS = CheckResults(errors_job, timeout=180)
 
 
 @pytest.mark.parametrize("case", list(EXPECTED))
 def test_bad_input_is_a_clear_error_on_every_rank(case):
-    if not _RESULTS:
-        _RESULTS.append(run_distributed(errors_job, 2, timeout=180))
-    failures = [(r, res[case]) for r, res in enumerate(_RESULTS[0]) if res[case]]
-    assert not failures, f"rank {failures[0][0]}:\n{failures[0][1]}"
+    RESULTS.assert_passed(case, 2)

@@ -7,7 +7,7 @@ WORLD size (the reference is the mean loss over the global batch; DeepSpeed #654
 
 from __future__ import annotations
 
-import traceback
+from functools import partial
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dist_helpers import run_distributed
+from dist_helpers import CheckResults, run_checks
 from test_runtime_models import part
 
 DIM, EXPERTS = 6, 4
@@ -127,28 +127,22 @@ CASES = {
 }
 
 
+def moe_case(rank, world, ep_size, stage, convention):
+    if convention == "refused":
+        refuse_expert_parallel_group(rank, world, ep_size)
+    else:
+        run_moe(rank, world, ep_size, stage, convention)
+
+
 def moe_job(rank, world, ep_size):
-    out = {}
-    for name, (stage, convention) in CASES.items():
-        try:
-            if convention == "refused":
-                refuse_expert_parallel_group(rank, world, ep_size)
-            else:
-                run_moe(rank, world, ep_size, stage, convention)
-            out[name] = None
-        except Exception:  # noqa: BLE001 - reported per case
-            out[name] = traceback.format_exc()
-    return out
+    return run_checks({name: partial(moe_case, rank, world, ep_size, stage, convention)
+                       for name, (stage, convention) in CASES.items()})
 
 
-_RESULTS: dict[tuple[int, int], list[dict]] = {}
+RESULTS = CheckResults(moe_job, timeout=240)
 
 
 @pytest.mark.parametrize("world,ep_size", [(4, 2), pytest.param(8, 4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", list(CASES))
 def test_moe_matches_reference_with_all_experts(world, ep_size, case):
-    key = (world, ep_size)
-    if key not in _RESULTS:
-        _RESULTS[key] = run_distributed(moe_job, world, (ep_size,), timeout=240)
-    failures = [(r, res[case]) for r, res in enumerate(_RESULTS[key]) if res[case]]
-    assert not failures, f"rank {failures[0][0]}:\n{failures[0][1]}"
+    RESULTS.assert_passed(case, world, ep_size)

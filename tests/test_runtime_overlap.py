@@ -3,7 +3,7 @@ backward reaches no managed parameter (it must not leave the others waiting)."""
 
 from __future__ import annotations
 
-import traceback
+from functools import partial
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dist_helpers import run_distributed
+from dist_helpers import CheckResults, run_checks, run_distributed
 from test_runtime_models import MLP, assert_same_params, mlp_batch, mlp_loss, part, train_pair
 
 OVERLAP = {"bucket_numel": 64, "overlap_param_gather": True}
@@ -146,26 +146,16 @@ CHECKS = {
 
 
 def overlap_job(rank: int, world: int) -> dict[str, str | None]:
-    out = {}
-    for name, check in CHECKS.items():
-        try:
-            check(rank, world)
-            out[name] = None
-        except Exception:  # noqa: BLE001 - reported per check to the parent
-            out[name] = traceback.format_exc()
-    return out
+    return run_checks({name: partial(check, rank, world) for name, check in CHECKS.items()})
 
 
-_RESULTS: dict[int, list[dict]] = {}
+RESULTS = CheckResults(overlap_job, timeout=120)
 
 
 @pytest.mark.parametrize("world", [1, 3])
 @pytest.mark.parametrize("check", list(CHECKS))
 def test_overlapped_param_gather(world, check):
-    if world not in _RESULTS:
-        _RESULTS[world] = run_distributed(overlap_job, world, timeout=120)
-    failures = [(r, res[check]) for r, res in enumerate(_RESULTS[world]) if res[check]]
-    assert not failures, f"rank {failures[0][0]}:\n{failures[0][1]}"
+    RESULTS.assert_passed(check, world)
 
 
 def idle_job(rank: int, world: int) -> None:

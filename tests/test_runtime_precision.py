@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import traceback
+from functools import partial
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dist_helpers import run_distributed
+from dist_helpers import CheckResults, run_checks
 from evenzero.runtime.precision import LossScaleConfig, LossScaler
 from test_runtime_models import MLP, assert_same_params, mlp_batch, mlp_loss, part, train_pair
 
@@ -143,26 +143,15 @@ CHECKS = {
 
 
 def precision_job(rank, world):
-    out = {}
-    for name, check in CHECKS.items():
-        try:
-            check(rank, world)
-            out[name] = None
-        except Exception:  # noqa: BLE001 - reported per check
-            out[name] = traceback.format_exc()
-        dist.barrier()
-    return out
+    return run_checks({name: partial(check, rank, world) for name, check in CHECKS.items()})
 
 
-_RESULTS: list = []
+RESULTS = CheckResults(precision_job, timeout=180)
 
 
 @pytest.mark.parametrize("check", list(CHECKS))
 def test_mixed_precision(check):
-    if not _RESULTS:
-        _RESULTS.append(run_distributed(precision_job, 2, timeout=180))
-    failures = [(r, res[check]) for r, res in enumerate(_RESULTS[0]) if res[check]]
-    assert not failures, f"rank {failures[0][0]}:\n{failures[0][1]}"
+    RESULTS.assert_passed(check, 2)
 
 
 @given(st.lists(st.booleans(), max_size=40), st.integers(1, 5))
