@@ -239,3 +239,21 @@ def test_calibrate_saves_a_cost_model_plan_can_use(tmp_path, capsys):
                    "--cost", str(path))
     assert doc["plans"][0]["summary"]["cost_model"] == "gloo-local-2"
     assert "--world-size W is required" in fails(capsys, "calibrate")
+
+
+def test_strategies_planned_on_request_are_accepted(capsys):
+    doc = run_json(capsys, "seed-moe", "--world-size", "8", "--strategy", "deepspeed-reduce-mode")
+    calls = [c for c in doc["plans"][0]["collectives"] if c["phase"] == "backward"]
+    # One reduce per distinct (destination, process group): 8 dense roots + 2 expert roots.
+    assert [c["op"] for c in calls] == ["reduce"] * 10
+    assert [c["root"] for c in calls[:8]] == [7, 3, 4, 5, 6, 0, 1, 2]
+
+
+def test_invalid_cost_fields_are_a_clear_error(capsys):
+    assert "gpus_per_node must be a positive integer" in fails(
+        capsys, "plan", "seed-moe", "--world-size", "8", "--cost-param", "gpus_per_node=0")
+
+
+def test_calibrate_json_into_missing_directory_fails_before_measuring(capsys, tmp_path):
+    err = fails(capsys, "calibrate", "--world-size", "2", "--json", str(tmp_path / "no" / "c.json"))
+    assert "does not exist" in err

@@ -157,3 +157,16 @@ def test_every_rank_slice_starts_128_byte_aligned_in_its_flat_shard(world, numel
             # Where this layout's slice begins, in the layout and in the flat shard.
             assert (rank * per * 2) % ALIGN_BYTES == 0
             assert ((r.shard_offset - into_slice) * 2) % ALIGN_BYTES == 0
+
+
+def test_empty_model_is_a_plan_error():
+    from evenzero.plan import PlanError
+    from evenzero.spec import ModelSpec
+    from evenzero.strategies import plan
+
+    try:
+        plan(ModelSpec(()), 4, "evenzero")
+    except PlanError as e:
+        assert "no trainable parameters" in str(e)
+    else:
+        raise AssertionError("an empty model was planned")

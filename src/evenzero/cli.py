@@ -29,7 +29,7 @@ from evenzero.plan import PlanError
 from evenzero.plan_report import plans_record, summarize
 from evenzero.presets import PRESETS, preset
 from evenzero.spec import GroupSpec, ModelSpec, SpecError, from_json
-from evenzero.strategies import STRATEGY_NAMES, PlanOptions, plan
+from evenzero.strategies import STRATEGY_NAMES, PlanOptions, plan, strategy_names
 
 LAZY_COMMANDS = {
     "repro": ("evenzero.repro", "run the seed case side by side: evenzero, DeepSpeed, DDP"),
@@ -82,9 +82,9 @@ def strategies_from(requested: Sequence[str] | None) -> list[str]:
     for name in requested:
         names = STRATEGY_NAMES if name == "all" else (name,)
         for n in names:
-            if n not in STRATEGY_NAMES:
+            if n not in strategy_names():
                 raise PlanError(f"unknown strategy {n!r}; choose from "
-                                f"{', '.join(STRATEGY_NAMES)} or all")
+                                f"{', '.join(strategy_names())} or all")
             if n not in out:
                 out.append(n)
     return out
@@ -159,6 +159,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from evenzero.cost import calibrate
 
     sizes = args.sizes or calibrate.DEFAULT_SIZES
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise UsageError(f"--json {args.json}: directory {Path(args.json).parent} does not "
+                         f"exist; create it first")
     try:
         calibrate.check_sweep(sizes, args.repeats)
     except calibrate.CalibrationError as e:
@@ -264,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("calibrate", help="measure alpha and bus bandwidth per collective")
     c.add_argument("--world-size", type=int, metavar="W",
-                   help="local gloo ranks to spawn (ignored under torchrun)")
+                   help="local gloo ranks to spawn; under torchrun omit it or match WORLD_SIZE")
     c.add_argument("--sizes", type=int, nargs="+", metavar="N",
                    help="message sizes to sweep, in elements (fp32)")
     c.add_argument("--repeats", type=int, default=5, help="calls timed per size (fastest kept)")

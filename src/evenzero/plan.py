@@ -26,7 +26,6 @@ class PlanError(ValueError):
 
 BACKWARD = "backward"
 STEP = "step"
-OPS = ("reduce", "reduce_scatter", "all_reduce", "all_gather")
 
 
 @dataclass(frozen=True)

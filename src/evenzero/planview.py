@@ -107,13 +107,13 @@ def plot_schedules(plans: Sequence[tuple[Plan, PlanSummary]], path: str | Path,
     ylim = (max(1, min(sizes, default=1)) / 2, max(sizes, default=2) * 2)
     for ax, (plan, summary) in zip(axes[:, 0], plans, strict=True):
         calls = [c for c in plan.collectives if c.phase == BACKWARD]
-        dense = plan.groups[0].name if plan.groups else ""
+        expert = {g.name for g in plan.groups if g.expert_parallel_size > 1}
         colours = [root_colour(c.root, c.group_size) if c.root is not None
                    else non_rooted.get(c.op, "0.3") for c in calls]
         bars = ax.bar(range(len(calls)), [max(1, c.nbytes) for c in calls], color=colours,
                       width=0.8, edgecolor="black", linewidth=0.3 if len(calls) < 60 else 0)
         for bar, c in zip(bars, calls, strict=True):
-            if c.group != dense:
+            if c.group in expert:
                 bar.set_hatch("//")
         ax.set_yscale("log")
         ax.set_ylim(*ylim)
@@ -133,7 +133,7 @@ def plot_schedules(plans: Sequence[tuple[Plan, PlanSummary]], path: str | Path,
         elif roots:
             handles.append(Patch(facecolor=ramp(0.5), label=f"reduce, colour = root "
                                  f"(0..{largest_group - 1})"))
-        if any(c.group != dense for c in calls):
+        if any(c.group in expert for c in calls):
             handles.append(Patch(facecolor="white", edgecolor="black", hatch="//",
                                  label="expert group"))
         if handles:

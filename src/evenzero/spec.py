@@ -10,6 +10,7 @@ import json
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -90,9 +91,10 @@ class ModelSpec:
                 raise SpecError(f"groups[{g.name!r}].expert_parallel_size: must be a positive "
                                 f"integer, got {g.expert_parallel_size!r}")
         if self.arrival is not None:
+            known = set(names)
             seen = set()
             for n in self.arrival:
-                if n not in {*names}:
+                if n not in known:
                     raise SpecError(f"arrival: unknown parameter name {n!r}")
                 if n in seen:
                     raise SpecError(f"arrival: duplicate name {n!r}")
@@ -120,13 +122,9 @@ class ModelSpec:
     def param(self, name: str) -> ParamSpec:
         return self._by_name[name]
 
-    @property
+    @cached_property
     def _by_name(self) -> dict[str, ParamSpec]:
-        d = self.__dict__.get("_by_name_cache")
-        if d is None:
-            d = {p.name: p for p in self.params}
-            object.__setattr__(self, "_by_name_cache", d)
-        return d
+        return {p.name: p for p in self.params}
 
     def with_arrival(self, arrival: Iterable[str], source: str = "given") -> ModelSpec:
         return ModelSpec(self.params, self.groups, tuple(arrival), source, self.name)

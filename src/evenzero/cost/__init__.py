@@ -129,6 +129,16 @@ class CostModel:
     sources: str = ""
     """Where the numbers come from."""
 
+    def __post_init__(self) -> None:
+        for f in ("reference_ranks", "gpus_per_node"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise CostModelError(f"{f} must be a positive integer, got {v!r}")
+        for f in ("base_us", "intra_step_us", "inter_step_us"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise CostModelError(f"{f} must be a non-negative number of microseconds, got {v!r}")
+
     def op(self, name: str) -> OpCost:
         if name not in OPS:
             raise CostModelError(f"unknown collective op {name!r}; expected one of {', '.join(OPS)}")

@@ -42,7 +42,7 @@ class System(Protocol):
 
 @dataclass
 class SystemResult:
-    """What one system did over the measured steps (warm-up excluded)."""
+    """What one system did: step times exclude warm-up; losses include it."""
 
     name: str
     losses: list[float] = field(default_factory=list)

@@ -33,6 +33,11 @@ STRATEGY_NAMES = ("evenzero", "deepspeed-0.6", "deepspeed", "megatron", "fsdp2",
 (DeepSpeed 0.12.4+ with use_multi_rank_bucket_allreduce=false) is planned on request."""
 
 
+def strategy_names() -> tuple[str, ...]:
+    """Every strategy `plan` accepts (STRATEGY_NAMES plus those planned on request)."""
+    return tuple(_registry())
+
+
 def plan(spec: ModelSpec, world_size: int, strategy: str = "evenzero",
          options: PlanOptions | None = None) -> Plan:
     """Plan `spec` on `world_size` ranks with `strategy`."""
@@ -42,4 +47,4 @@ def plan(spec: ModelSpec, world_size: int, strategy: str = "evenzero",
     return planners[strategy](spec, world_size, options or PlanOptions())
 
 
-__all__ = ["STRATEGY_NAMES", "PlanOptions", "plan", "group_infos"]
+__all__ = ["STRATEGY_NAMES", "PlanOptions", "group_infos", "plan", "strategy_names"]

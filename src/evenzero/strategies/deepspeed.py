@@ -12,8 +12,11 @@ All three variants share the layout, the IPG buckets and `rank_and_offsets` of
 * "deepspeed-reduce-mode" (`use_multi_rank_bucket_allreduce=False`): one `reduce` per
   distinct (destination, process group), its runs concatenated, likewise chunked.
 
-The step is the same for all: three 1-element norm all-reduces over the world, then one
-`all_gather_into_tensor` of each group's flat layout on its (expert-)DP group.
+The step is planned the same for all: three 1-element norm all-reduces over the world,
+then one `all_gather_into_tensor` of each group's flat layout on its (expert-)DP group.
+That is exact from 0.12.4 (#4695); before it, "deepspeed-0.6" gathered in chunks of
+`allgather_bucket_size` (5e8 elements), which is one call per group for every preset
+here except the very largest, so the simplification only undercounts those.
 
 Params whose gradient never arrives produce no collective at all: the owner steps on
 zeros with no cross-rank agreement (§6). The plan says so in its notes.

@@ -15,6 +15,7 @@ from evenzero.spec import DTYPE_BYTES, ModelSpec
 from evenzero.strategies.common import (
     PlanOptions,
     all_gathers,
+    check_has_params,
     completion_order,
     group_arrival,
     group_dtype,
@@ -58,6 +59,7 @@ def cut_buckets(names: list[str], numel: dict[str, int], limit: int) -> list[lis
 
 def plan_evenzero(spec: ModelSpec, world_size: int, options: PlanOptions | None = None) -> Plan:
     options = options or PlanOptions()
+    check_has_params(spec)
     infos = group_infos(spec, world_size)
     numel = {p.name: p.numel for p in spec.params}
     buckets: list[Bucket] = []
