@@ -245,3 +245,17 @@ def test_llama_70b_on_1024_ranks_plans_fast(strategy):
     elapsed = time.perf_counter() - start
     assert elapsed < 2.0, f"{strategy} took {elapsed:.2f}s"
     assert sum(c.numel for c in p.backward()) == spec.numel
+
+
+def test_split_by_group_refuses_runs_that_merge_two_param_groups():
+    # Two dense groups share DeepSpeed's DP process group, so adjacent slices of both
+    # merge into one reduce; a per-group bucket would drop one group's gradients.
+    from evenzero.plan import PlanError
+    from evenzero.spec import GroupSpec, ModelSpec, ParamSpec
+    from evenzero.strategies import plan
+    from evenzero.strategies.deepspeed import split_by_group
+
+    spec = ModelSpec((ParamSpec("a", (8,), "dense"), ParamSpec("b", (8,), "nd")),
+                     (GroupSpec("dense"), GroupSpec("nd")), ("b", "a"))
+    with pytest.raises(PlanError, match="one param group per process group"):
+        split_by_group(plan(spec, 1, "deepspeed-0.6"))

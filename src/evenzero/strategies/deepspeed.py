@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from itertools import groupby
 
-from evenzero.plan import BACKWARD, STEP, Bucket, Collective, Plan
+from evenzero.plan import BACKWARD, STEP, Bucket, Collective, Plan, PlanError
 from evenzero.spec import ModelSpec
 from evenzero.strategies.common import (
     PlanOptions,
@@ -194,6 +194,7 @@ def split_by_group(p: Plan) -> Plan:
     carry, so the rest of the buffer reads as padding. The seed case becomes (dense, 0)
     with 11 reduces, (experts, 0) with 2 and, with the gate, (dense, 1) with 1.
     """
+    owner = {s.name: b.group for b in p.layouts for s in b.params}
     buckets: list[Bucket] = []
     backward: list[Collective] = []
     count: dict[str, int] = {}
@@ -204,6 +205,14 @@ def split_by_group(p: Plan) -> Plan:
             pieces = [x for c in run for x in c.pieces()]
             slots = tuple(s for s in bucket.params
                           if any(o < s.offset + s.numel and s.offset < o + n for o, n in pieces))
+            mixed = sorted({owner[s.name] for s in slots} - {group})
+            if mixed:
+                # DeepSpeed merges runs of two param groups on one process group into one
+                # message; a single-group bucket cannot describe that without dropping
+                # the other group's gradients, so refuse rather than run it wrongly.
+                raise PlanError(f"DeepSpeed's schedule merges param groups {group!r} and "
+                                f"{mixed[0]!r} (same process group) into one message; run "
+                                f"it with one param group per process group")
             index = count.get(group, 0)
             count[group] = index + 1
             buckets.append(Bucket(group, index, bucket.numel, slots))
