@@ -12,7 +12,8 @@ def _capture_worker(ctx, _payload):
     import torch
     import torch.distributed as dist
 
-    from evenzero.repro.capture import CaptureOptions, CollectiveCapture, record
+    from evenzero.plan_report import collective_record as record
+    from evenzero.repro.capture import CaptureOptions, CollectiveCapture
 
     pair = dist.new_group([1, 3])
     a2a = dist.new_group([0, 1])
@@ -52,7 +53,8 @@ def _pair_worker(ctx, _payload):
     import torch
     import torch.distributed as dist
 
-    from evenzero.repro.capture import CaptureOptions, CollectiveCapture, record
+    from evenzero.plan_report import collective_record as record
+    from evenzero.repro.capture import CaptureOptions, CollectiveCapture
 
     pair = dist.new_group([0, 1])
     cap = CollectiveCapture(CaptureOptions({frozenset([0, 1]): "experts"}))

@@ -153,6 +153,25 @@ def case_param_replaced_after_construction(rank, world):
     opt.step()
 
 
+def case_problem_on_one_rank_is_raised_on_all(rank, world):
+    # Only rank 1 replaces a parameter; the problem is found there alone at the end of
+    # backward. Raising there only would leave rank 0 waiting in the step's all-reduce.
+    from evenzero.runtime import ZeroRuntimeError
+
+    model = MLP()
+    opt = _opt(model)
+    if rank == 1:
+        model.head.bias = nn.Parameter(torch.zeros(4))
+    mlp_loss(model, mlp_batch(0, 4)).backward()
+    try:
+        opt.step()
+    except ZeroRuntimeError as e:
+        expected = "does not manage it" if rank == 1 else "1 other rank(s) found a problem"
+        assert expected in str(e), str(e)
+    else:
+        raise AssertionError("step() did not raise")
+
+
 EXPECTED = {
     # case name: (error type, fragments the message must contain); None: must succeed.
     "models_differ": (_zce(), "'fc1.weight'", "differs across ranks", "ranks [1]"),
@@ -170,6 +189,7 @@ EXPECTED = {
     "unplanned_gradient": (_zre(), "'extra.", "no collective"),
     "param_replaced_after_construction": (_zre(), "'head.bias'", "does not manage"),
     "partial_grads_allowed": None,
+    "problem_on_one_rank_is_raised_on_all": None,
     "custom_optimizer_declared_elementwise": None,
 }
 

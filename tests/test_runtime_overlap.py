@@ -82,8 +82,10 @@ def check_early_read_is_an_error(rank, world):
     mlp_loss(model, batch).backward()
     opt.step()
     opt.zero_grad()
+    mlp_loss(model, batch).backward()
+    # Found at the end of backward, raised at the step's all-reduce on every rank.
     with pytest.raises(ZeroRuntimeError, match=r"fc2\.(weight|bias).*wait_for_params"):
-        mlp_loss(model, batch).backward()
+        opt.step()
     opt.zero_grad()
     opt.wait_for_params()  # the documented fix: the same forward after the wait is fine
     mlp_loss(model, batch).backward()

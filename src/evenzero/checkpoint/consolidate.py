@@ -21,6 +21,7 @@ position (the usual format, positions as in `module.parameters()`).
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -105,7 +106,9 @@ def expert_view(opt: Any, place: RankPlace) -> tuple[str | None, bool]:
     if not experts:
         return None, place.rank == 0
     label = "ep-" + "-".join(str(place.ep_ranks[g.name]) for g in experts)
-    return label, all(opt.group_rank(g.name) == 0 for g in experts)
+    # Rank r's label is determined by r mod lcm(E...) (E+D layout), so ranks below the
+    # lcm are exactly one writer per label, also when expert groups differ in E.
+    return label, place.rank < math.lcm(*(g.expert_parallel_size for g in experts))
 
 
 def export_consolidated(opt: Any, path: str | os.PathLike) -> Path:

@@ -151,7 +151,8 @@ def repro_worker(ctx, config: ReproConfig) -> dict[str, Any]:
     import torch.distributed as dist
 
     from evenzero.moe import expert_parallel_groups
-    from evenzero.repro.capture import CaptureOptions, record
+    from evenzero.plan_report import collective_record as record
+    from evenzero.repro.capture import CaptureOptions
     from evenzero.repro.sidebyside import InterleaveOptions, run_interleaved
 
     m = config.model

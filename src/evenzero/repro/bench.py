@@ -94,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def bench_worker(ctx, config: BenchConfig) -> dict[str, Any]:
-    from evenzero.repro.capture import record
+    from evenzero.plan_report import collective_record as record
     from evenzero.repro.gptmodel import gpt_batch
     from evenzero.repro.sidebyside import InterleaveOptions, run_interleaved
 

@@ -58,12 +58,6 @@ class CaptureOptions:
     expert dispatch (forward and its backward), not gradient reduction, so it is skipped."""
 
 
-def record(c: Collective) -> dict[str, Any]:
-    """The `evenzero plan --json` record of one collective."""
-    return {"phase": c.phase, "op": c.op, "group": c.group, "group_size": c.group_size,
-            "root": c.root, "bucket": c.bucket, "offset": c.offset, "numel": c.numel}
-
-
 class CollectiveCapture:
     """Wraps torch.distributed collectives while `active()`; `calls` holds what ran."""
 

@@ -14,7 +14,8 @@ Lifecycle of one step:
 3. later backwards reduce each bucket as soon as it (and every bucket before it) is
    complete, overlapped with the rest of backward;
 4. `clip_grad_norm_` / `step`: one small all-reduce over the world carries the squared
-   norm, the overflow flag and a presence bit per parameter; then the inner optimizer
+   norm, the overflow flag, a presence bit per parameter and a flag for problems a rank
+   found alone in backward (raised there on every rank); then the inner optimizer
    steps the master shards and each layout's all-gather is launched, in forward order;
 5. with `overlap_param_gather=True` the step returns without waiting and each module
    waits for the gathers of its own parameters in a forward pre-hook, so they overlap
@@ -142,6 +143,7 @@ class ZeroOptimizer:
         self._presence = [0.0] * len(self._names)
         self._stats: GradStats | None = None
         self._read_early: list[str] = []
+        self._problem: str | None = None
         self._stale_layouts: set = set()
         self._hooks = BackwardHooks(module, setup.named, self._on_grad, self._on_backward_end,
                                     self._on_backward_start)
@@ -171,7 +173,7 @@ class ZeroOptimizer:
         self._gather_order = gather_order(plan, self.groups)
         self._prefetch.bind(plan, self._flat, self.groups, self._gather_order)
         self._check_record = Collective(STEP, "all_reduce", "world", self.world_size, None, None,
-                                        0, len(self._names) + 2, itemsize=4)
+                                        0, len(self._names) + 3, itemsize=4)
 
     def _adopt_arrival(self, order: list[str]) -> None:
         """Agree on rank 0's measured arrival order and re-plan once if it differs."""
@@ -227,20 +229,21 @@ class ZeroOptimizer:
                 f"that holds it); call opt.wait_for_params() before such a forward, or build "
                 f"ZeroOptimizer with overlap_param_gather=False")
             self._read_early = []
-        if problems:
-            raise ZeroRuntimeError(problems[0])
         for p in self._module.parameters():
             if p.grad is not None and id(p) not in self._managed and p.requires_grad:
                 name = next((n for n, q in self._module.named_parameters() if q is p), "?")
-                raise ZeroRuntimeError(
+                problems.append(
                     f"parameter {name!r} has a gradient but ZeroOptimizer does not manage it "
                     f"(added, replaced or unfrozen after construction); build ZeroOptimizer "
                     f"after the model is final")
+                break
+        # Raised at the step's all-reduce, on every rank: raising here, on this rank only,
+        # would leave the others waiting in that all-reduce.
+        self._problem = self._problem or (problems[0] if problems else None)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally, without communication."""
-        self._prefetch.wait_all()
         previous, self._sync = self._sync, False
         try:
             yield
@@ -272,11 +275,17 @@ class ZeroOptimizer:
     def _grad_stats(self) -> GradStats:
         """The step's one all-reduce, once per step (clip and step share it)."""
         if self._stats is None:
-            self._stats = reduce_grad_stats(
+            stats = reduce_grad_stats(
                 (st.grad for st in self.groups.values()), self._presence, self._names,
                 self.world_group, self.world_size, self._setup.comm_device,
-                self.loss_scaler.scale, self.config.allow_partial_grads)
+                self.loss_scaler.scale, self.config.allow_partial_grads, self._problem is not None)
             self.trace_log.record(self._check_record, "all_reduce")
+            if stats.problem_ranks:
+                problem, self._problem = self._problem, None
+                raise ZeroRuntimeError(problem or (
+                    f"{stats.problem_ranks} other rank(s) found a problem in the last backward "
+                    f"and raised it; see their error (this rank's backward was fine)"))
+            self._stats = stats
         return self._stats
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

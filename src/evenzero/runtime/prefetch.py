@@ -10,7 +10,7 @@ returns. Nothing waits for the gathers until something reads the parameters:
   blocks the host until that layout's gather is done);
 * a `state_dict` pre-hook on the same modules, so checkpoints never see stale values;
 * `ZeroOptimizer.wait_for_params()` (and everything in the optimizer that touches the
-  parameters or the flat buffers: the next step, clipping, backward entry, `no_sync`,
+  parameters or the flat buffers: the next step, clipping, backward entry,
   re-planning, `sync_params_from_master`, `opt.module`) waits for all of them.
 
 The contract this buys: a parameter may be read only inside the forward of a module

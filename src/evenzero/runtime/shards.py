@@ -107,4 +107,6 @@ def reshard_group(optimizer: torch.optim.Optimizer, old: Plan, new: Plan,
         if torch.is_tensor(value) and value.dim() == 1 and value.numel() == old_numel:
             opt_state[key] = reshard(value, old, new, state)
     state.master.data = reshard(state.master.detach(), old, new, state)
-    state.grad = torch.zeros_like(state.master)
+    # Gradients already reduced in this step (a re-plan after an earlier backward that
+    # measured nothing) move too rather than being dropped.
+    state.grad = reshard(state.grad, old, new, state)

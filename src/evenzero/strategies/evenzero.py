@@ -90,7 +90,8 @@ def plan_evenzero(spec: ModelSpec, world_size: int, options: PlanOptions | None 
 
 
 def grad_check(spec: ModelSpec, world_size: int) -> Collective:
-    """The step's one small all-reduce: global grad norm, overflow flag, and a presence
-    bit per parameter, so a gradient that exists on some ranks only is caught by name."""
+    """The step's one small all-reduce: global grad norm, overflow flag, a presence bit per
+    parameter (a gradient that exists on some ranks only is caught by name) and a flag for
+    problems one rank found in backward (so every rank raises, none waits)."""
     return Collective(STEP, "all_reduce", "world", world_size, None, None, 0,
-                      len(spec.params) + 2, itemsize=4)
+                      len(spec.params) + 3, itemsize=4)
