@@ -15,7 +15,6 @@ lists differ and the collectives are reduces of the pieces.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -193,9 +192,7 @@ class Plan:
         for layout in self.group_layouts(group):
             per = layout.numel // n
             lo, hi = rank * per, (rank + 1) * per
-            starts = _slot_starts(layout)
-            i = max(0, bisect.bisect_right(starts, lo) - 1)
-            for slot in layout.params[i:]:
+            for slot in layout.params:
                 if slot.offset >= hi:
                     break
                 a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
@@ -212,10 +209,6 @@ class Plan:
     def locate(self, param: str) -> tuple[str, int, int]:
         """(group, layout index, offset in layout) of a parameter."""
         return self._owner_index[param]
-
-
-def _slot_starts(layout: Bucket) -> list[int]:
-    return [s.offset for s in layout.params]
 
 
 def align_up(x: int, multiple: int) -> int:

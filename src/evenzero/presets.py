@@ -133,10 +133,10 @@ def transformer(name: str, s: TransformerShape, dtype: str = "bfloat16") -> Mode
     b.norm("final_norm", s.dim, s.norm_bias)
     if s.tied:
         b.uses.append("embed.weight")
-        last = ("pos_embed.weight", "embed.weight") if s.context else ("embed.weight",)
     else:
         b.linear("lm_head", s.dim, s.vocab, bias=False)
-        last = ("pos_embed.weight", "embed.weight") if s.context else ("embed.weight",)
+    # The embeddings' gradients come from their input-side use, differentiated last.
+    last = ("pos_embed.weight", "embed.weight") if s.context else ("embed.weight",)
     return b.spec(name, last=last)
 
 

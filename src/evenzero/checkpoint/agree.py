@@ -25,7 +25,7 @@ T = TypeVar("T")
 
 
 def attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
-    """Run `fn`, keeping its failure for `_agree` instead of leaving the collective."""
+    """Run `fn`, keeping its failure for `agree` instead of leaving the collective."""
     try:
         return fn(), None
     except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks

@@ -30,14 +30,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from evenzero.plan import BACKWARD, Plan
+from evenzero.strategies.deepspeed import DEFAULT_REDUCE_BUCKET_SIZE
 
 FP32 = 4
 ADAM_STATE_BYTES = 8
 """exp_avg and exp_avg_sq, fp32 each."""
 MASTER_BYTES = 4
 """fp32 master copy of a parameter."""
-DEEPSPEED_REDUCE_BUCKET = 500_000_000
-"""DeepSpeed's default `reduce_bucket_size`, in elements."""
+DEEPSPEED_REDUCE_BUCKET = DEFAULT_REDUCE_BUCKET_SIZE
+"""DeepSpeed's default `reduce_bucket_size`, in elements (the planner's constant)."""
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,6 @@ class SystemResult:
     """Backward+step wall time of the slowest rank, per measured step."""
     collectives: list[Collective] = field(default_factory=list)
     """Collectives of the last measured step."""
-    note: str = ""
 
     @property
     def median_step_ms(self) -> float:

@@ -97,7 +97,7 @@ def check_group_partition(memberships: Sequence[tuple[int, ...]], world_group,
                           device: torch.device, group_names: Sequence[str]) -> None:
     """Each parameter group's process groups must partition the world into equal groups.
 
-    `memberships[g]` lists the global ranks in this rank's process group for group g.
+    `memberships[g]` lists the ranks (within the data-parallel world group) in this rank's process group for group g.
     All ranks exchange membership bit vectors (the digest check has made the sizes
     equal), so every rank reaches the same verdict.
     """

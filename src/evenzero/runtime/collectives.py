@@ -14,7 +14,6 @@ Reduce-scatter has two implementations, chosen per backend (the documented rule)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,7 +63,8 @@ class ReduceScatterHandle:
         self.work.wait()
         if self.algorithm == ALL_TO_ALL_SUM:
             # Rank s's chunk for us is row s; summing the rows in rank order gives the
-            # same bits on every rank, in the accumulation dtype (fp32 for 16-bit grads).
+            # same bits on every rank, in `sum_dtype` (the fp32 shard dtype on the direct
+            # path; the bucket dtype for the pieces of non-evenzero plans).
             return self.output.view(self.group_size, -1).sum(0, dtype=self.sum_dtype)
         return self.output
 
@@ -127,12 +127,6 @@ class PieceHandle:
                 pos += n
 
 
-def reduce_pieces(c: Collective, buf: torch.Tensor, group, algorithm: str,
-                  group_rank: int) -> PieceHandle:
-    """Start the plan collective `c` on bucket buffer `buf`."""
-    return PieceHandle(c, buf, group, algorithm, group_rank)
-
-
 def all_gather_layout(buf: torch.Tensor, group_rank: int, group):
     """Start filling the flat layout buffer from every rank's equal slice, in place;
     returns the work handle."""
@@ -148,8 +142,3 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group) -> None:
 
 def all_reduce_sum(vec: torch.Tensor, group) -> None:
     dist.all_reduce(vec, group=group)
-
-
-def wait_all(handles: Sequence) -> None:
-    for h in handles:
-        h.wait()

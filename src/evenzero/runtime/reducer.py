@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from evenzero.runtime.buckets import BucketPool, GradBuffers
-from evenzero.runtime.collectives import Trace, reduce_pieces, reduce_scatter, scratch_numel
+from evenzero.runtime.collectives import PieceHandle, Trace, reduce_scatter, scratch_numel
 from evenzero.runtime.routes import BucketRoute
 from evenzero.runtime.shards import GroupState
 
@@ -134,7 +134,7 @@ class GradientReducer:
         else:
             handles = []
             for c in route.collectives:
-                handles.append(reduce_pieces(c, buf, g.process_group, self.algorithm, g.rank))
+                handles.append(PieceHandle(c, buf, g.process_group, self.algorithm, g.rank))
                 self.trace.record(c, self.algorithm if c.op == "reduce_scatter" else c.op)
         self.inflight.append(_InFlight(route, buf, handles, slot))
         self.launched[pos] = True
