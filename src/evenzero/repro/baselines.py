@@ -68,40 +68,27 @@ class ExpertGradReducer:
             h.remove()
 
 
-class DDPSystem:
-    """torch DDP over the dense params, `ExpertGradReducer` for the expert params."""
+class CapturedBaseline:
+    """A plain-PyTorch system whose collectives are captured by wrapping torch.distributed:
+    `forward` runs the (wrapped) model, the optimizer steps inside the capture's step phase."""
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, *, lr: float = 1e-3,
-                 weight_decay: float = 0.01, expert_group: Any = None,
-                 capture: CaptureOptions | None = None, name: str = "ddp",
-                 fused_adamw: bool | None = None) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        self.name = name
-        self.loss_fn = loss_fn
-        expert = [(n, p) for n, p in model.named_parameters() if getattr(p, "allreduce", True) is False]
-        if expert and expert_group is None:
-            raise ValueError("model has expert params (allreduce=False) but no expert_group was given; "
-                             "pass the expert-data-parallel process group")
-        DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in expert])
-        device = next(model.parameters()).device
-        self.ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        self.ddp.register_comm_hook(None, allreduce_hook)
-        self.experts = ExpertGradReducer([p for _, p in expert], expert_group, dist.get_world_size())
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
-                                           fused=fused_adamw)
+    def __init__(self, name: str, loss_fn: LossFn, forward: nn.Module,
+                 optimizer: torch.optim.Optimizer, capture: CaptureOptions | None) -> None:
+        self.name, self.loss_fn, self.forward, self.optimizer = name, loss_fn, forward, optimizer
         self.capture = CollectiveCapture(capture or CaptureOptions())
         self._last: list[Collective] = []
 
     def loss(self, batch: Batch) -> torch.Tensor:
         x, y = batch
-        return self.loss_fn(self.ddp(x), y)
+        return self.loss_fn(self.forward(x), y)
+
+    def finish_backward(self) -> None:
+        """Work after `loss.backward()` that belongs to the backward phase."""
 
     def backward_and_step(self, loss: torch.Tensor) -> None:
         with self.capture.active(BACKWARD):
             loss.backward()
-            self.experts.finish()
+            self.finish_backward()
             with self.capture.phase_as(STEP):
                 self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -111,7 +98,34 @@ class DDPSystem:
         return list(self._last)
 
 
-class FSDP2System:
+class DDPSystem(CapturedBaseline):
+    """torch DDP over the dense params, `ExpertGradReducer` for the expert params."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, *, lr: float = 1e-3,
+                 weight_decay: float = 0.01, expert_group: Any = None,
+                 capture: CaptureOptions | None = None, name: str = "ddp",
+                 fused_adamw: bool | None = None) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        expert = [(n, p) for n, p in model.named_parameters() if getattr(p, "allreduce", True) is False]
+        if expert and expert_group is None:
+            raise ValueError("model has expert params (allreduce=False) but no expert_group was given; "
+                             "pass the expert-data-parallel process group")
+        DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in expert])
+        device = next(model.parameters()).device
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        ddp.register_comm_hook(None, allreduce_hook)
+        self.experts = ExpertGradReducer([p for _, p in expert], expert_group, dist.get_world_size())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
+                                      fused=fused_adamw)
+        super().__init__(name, loss_fn, ddp, optimizer, capture)
+
+    def finish_backward(self) -> None:
+        self.experts.finish()
+
+
+class FSDP2System(CapturedBaseline):
     """PyTorch FSDP2 in ZeRO-2 mode: `fully_shard(block, reshard_after_forward=False)` per
     block, then the root; params stay gathered between forward and backward."""
 
@@ -122,29 +136,10 @@ class FSDP2System:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        self.name = name
-        self.loss_fn = loss_fn
         device = next(model.parameters()).device
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         for block in blocks(model):
             fully_shard(block, mesh=mesh, reshard_after_forward=False)
         fully_shard(model, mesh=mesh, reshard_after_forward=False)
-        self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-        self.capture = CollectiveCapture(capture or CaptureOptions())
-        self._last: list[Collective] = []
-
-    def loss(self, batch: Batch) -> torch.Tensor:
-        x, y = batch
-        return self.loss_fn(self.model(x), y)
-
-    def backward_and_step(self, loss: torch.Tensor) -> None:
-        with self.capture.active(BACKWARD):
-            loss.backward()
-            with self.capture.phase_as(STEP):
-                self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._last = self.capture.take()
-
-    def collectives(self) -> list[Collective]:
-        return list(self._last)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        super().__init__(name, loss_fn, model, optimizer, capture)
