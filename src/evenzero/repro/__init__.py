@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from evenzero.repro.localrun import add_launch_arguments, parse_launch_arguments
 from evenzero.repro.seedmodel import SeedModelConfig
 
 SYSTEMS = ("evenzero", "deepspeed-0.6-schedule", "ddp", "deepspeed", "deepspeed-reduce-mode")
@@ -62,18 +63,10 @@ class ReproConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-size", type=int, default=8, help="local ranks (default 8)")
-    parser.add_argument("--steps", type=int, default=8, help="measured steps per system (default 8)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
+    add_launch_arguments(parser, world_size=8, steps=8, systems=SYSTEMS, default_systems=SYSTEMS,
+                         bucket_numel=DEFAULT_BUCKET_NUMEL)
     parser.add_argument("--json", type=Path, help="write collectives, times and losses here")
     parser.add_argument("--plot", type=Path, help="write message sizes and step times as a PNG")
-    parser.add_argument("--systems", default=",".join(SYSTEMS),
-                        help=f"comma-separated subset of {', '.join(SYSTEMS)}")
-    parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL,
-                        help=f"evenzero bucket size in elements (default {DEFAULT_BUCKET_NUMEL}; "
-                             f"0 = the runtime's default)")
-    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
-                        help="process-group backend (default: NCCL if enough GPUs, else gloo)")
     # Small shapes for tests and quick looks; the defaults are the report's model.
     parser.add_argument("--dim", type=int, default=1000, help=argparse.SUPPRESS)
     parser.add_argument("--experts", type=int, default=16, help=argparse.SUPPRESS)
@@ -83,18 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ReproConfig:
-    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown or not systems:
-        raise ValueError(f"--systems: unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
-    if args.steps < 1 or args.warmup < 0:
-        raise ValueError("--steps must be at least 1 and --warmup at least 0")
+    systems = parse_launch_arguments(args, SYSTEMS)
     model = SeedModelConfig(dim=args.dim, num_experts=args.experts, ep_size=args.ep_size,
                             tokens_per_rank=args.tokens)
     model.check(args.world_size)
-    if args.bucket_numel < 0:
-        raise ValueError(f"--bucket-numel must be a positive number of elements (or 0 for the "
-                         f"runtime's default), got {args.bucket_numel}")
     return ReproConfig(world_size=args.world_size, steps=args.steps, warmup=args.warmup,
                        model=model, systems=systems, bucket_numel=args.bucket_numel or None,
                        backend=args.backend, timeout_s=args.timeout)

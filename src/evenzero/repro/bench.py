@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from evenzero.repro.gptmodel import GPT_SIZES, GPTConfig
+from evenzero.repro.localrun import add_launch_arguments, parse_launch_arguments
 
 SYSTEMS = ("evenzero", "deepspeed-0.6-schedule", "ddp", "fsdp2", "deepspeed",
            "deepspeed-reduce-mode")
@@ -47,27 +48,15 @@ class BenchConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world-size", type=int, default=4, help="local ranks (default 4)")
-    parser.add_argument("--steps", type=int, default=6, help="measured steps (default 6)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
+    add_launch_arguments(parser, world_size=4, steps=6, systems=SYSTEMS,
+                         default_systems=DEFAULT_SYSTEMS, bucket_numel=DEFAULT_BUCKET_NUMEL)
     parser.add_argument("--model", default="bench-50m", choices=sorted(GPT_SIZES),
                         help="decoder size (default bench-50m, 59M params)")
-    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                        help=f"comma-separated subset of {', '.join(SYSTEMS)}")
-    parser.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL,
-                        help=f"evenzero bucket size in elements (default {DEFAULT_BUCKET_NUMEL}; "
-                             f"0 = the runtime's default)")
-    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"))
     parser.add_argument("--json", type=Path, help="write the results here")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown or not systems:
-        raise ValueError(f"--systems: unknown system(s) {unknown}; choose from {', '.join(SYSTEMS)}")
-    if args.bucket_numel < 0:
-        raise ValueError("--bucket-numel must be a positive number of elements, or 0")
+    systems = parse_launch_arguments(args, SYSTEMS)
     return BenchConfig(args.world_size, args.steps, args.warmup, GPT_SIZES[args.model], systems,
                        args.bucket_numel or None, args.backend)
 

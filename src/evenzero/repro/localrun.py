@@ -179,3 +179,34 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, threads: int
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def add_launch_arguments(parser: Any, *, world_size: int, steps: int, systems: tuple[str, ...],
+                         default_systems: tuple[str, ...], bucket_numel: int) -> None:
+    """The options every side-by-side command shares (`evenzero repro`, `evenzero bench`)."""
+    parser.add_argument("--world-size", type=int, default=world_size,
+                        help=f"local ranks (default {world_size})")
+    parser.add_argument("--steps", type=int, default=steps,
+                        help=f"measured steps per system (default {steps})")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
+    parser.add_argument("--systems", default=",".join(default_systems),
+                        help=f"comma-separated subset of {', '.join(systems)}")
+    parser.add_argument("--bucket-numel", type=int, default=bucket_numel,
+                        help=f"evenzero bucket size in elements (default {bucket_numel}; "
+                             f"0 = the runtime's default)")
+    parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                        help="process-group backend (default: NCCL if enough GPUs, else gloo)")
+
+
+def parse_launch_arguments(args: Any, systems: tuple[str, ...]) -> tuple[str, ...]:
+    """Validate the shared options; returns the chosen systems. Raises ValueError."""
+    chosen = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    unknown = [s for s in chosen if s not in systems]
+    if unknown or not chosen:
+        raise ValueError(f"--systems: unknown system(s) {unknown}; choose from {', '.join(systems)}")
+    if args.steps < 1 or args.warmup < 0:
+        raise ValueError("--steps must be at least 1 and --warmup at least 0")
+    if args.bucket_numel < 0:
+        raise ValueError(f"--bucket-numel must be a positive number of elements (or 0 for the "
+                         f"runtime's default), got {args.bucket_numel}")
+    return chosen

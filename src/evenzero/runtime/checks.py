@@ -135,3 +135,23 @@ def check_presence(counts: Sequence[float], names: Sequence[str], world: int,
                 f"gradient of {name!r} was produced on {k} of {world} ranks since the last step; "
                 f"every rank must use the same parameters, or pass allow_partial_grads=True to "
                 f"count a missing gradient as zeros (like DDP's find_unused_parameters)")
+
+
+def backward_problems(read_early: Sequence[str], module: torch.nn.Module,
+                      managed: set[int]) -> list[str]:
+    """What this rank alone can see went wrong in the backward that just ended."""
+    problems = []
+    if read_early:
+        problems.append(
+            f"parameter {read_early[0]!r} was used in forward before the step's all-gather of "
+            f"it had finished (it was read outside the forward of a module that holds it); "
+            f"call opt.wait_for_params() before such a forward, or build ZeroOptimizer with "
+            f"overlap_param_gather=False")
+    for name, p in module.named_parameters():
+        if p.grad is not None and id(p) not in managed and p.requires_grad:
+            problems.append(
+                f"parameter {name!r} has a gradient but ZeroOptimizer does not manage it (added, "
+                f"replaced or unfrozen after construction); build ZeroOptimizer after the model "
+                f"is final")
+            break
+    return problems

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from evenzero.plan import STEP, Collective, Plan, PlanError
 from evenzero.runtime.buckets import FlatParams
-from evenzero.runtime.checks import ZeroConfigError, ZeroRuntimeError
+from evenzero.runtime.checks import ZeroConfigError, ZeroRuntimeError, backward_problems
 from evenzero.runtime.collectives import Trace, default_reduce_scatter_algorithm
 from evenzero.runtime.config import ZeroConfig
 from evenzero.runtime.gradstats import GradStats, reduce_grad_stats
@@ -221,22 +221,9 @@ class ZeroOptimizer:
             self._unsynced = True
             return
         self._unsynced = False
-        problems = self._reducer.finish()
-        if self._read_early:
-            problems.append(
-                f"parameter {self._read_early[0]!r} was used in forward before the step's "
-                f"all-gather of it had finished (it was read outside the forward of a module "
-                f"that holds it); call opt.wait_for_params() before such a forward, or build "
-                f"ZeroOptimizer with overlap_param_gather=False")
-            self._read_early = []
-        for p in self._module.parameters():
-            if p.grad is not None and id(p) not in self._managed and p.requires_grad:
-                name = next((n for n, q in self._module.named_parameters() if q is p), "?")
-                problems.append(
-                    f"parameter {name!r} has a gradient but ZeroOptimizer does not manage it "
-                    f"(added, replaced or unfrozen after construction); build ZeroOptimizer "
-                    f"after the model is final")
-                break
+        problems = self._reducer.finish() + backward_problems(self._read_early, self._module,
+                                                             self._managed)
+        self._read_early = []
         # Raised at the step's all-reduce, on every rank: raising here, on this rank only,
         # would leave the others waiting in that all-reduce.
         self._problem = self._problem or (problems[0] if problems else None)
