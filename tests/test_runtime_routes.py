@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from evenzero.model_presets import preset
 from evenzero.plan import PlanError
-from evenzero.presets import preset
 from evenzero.runtime.checks import ZeroConfigError
 from evenzero.runtime.collectives import default_reduce_scatter_algorithm
 from evenzero.runtime.config import ELEMENTWISE_OPTIMIZERS, ZeroConfig, check_elementwise

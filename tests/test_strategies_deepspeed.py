@@ -4,8 +4,8 @@ import time
 
 import pytest
 
+from evenzero.model_presets import preset
 from evenzero.plan import PlanError
-from evenzero.presets import preset
 from evenzero.spec import GroupSpec, ModelSpec, ParamSpec
 from evenzero.strategies import PlanOptions, plan
 from evenzero.strategies.deepspeed import plan_deepspeed_reduce_mode, split_by_group

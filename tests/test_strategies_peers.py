@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from evenzero.model_presets import preset
 from evenzero.plan import PlanError
-from evenzero.presets import preset
 from evenzero.spec import GroupSpec, ModelSpec, ParamSpec
 from evenzero.strategies import PlanOptions, plan
 from evenzero.strategies.deepspeed import DEFAULT_REDUCE_BUCKET_SIZE, plan_deepspeed_reduce_mode

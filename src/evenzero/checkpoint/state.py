@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from evenzero.checkpoint.compat import LocalModel, LocalParam
 from evenzero.checkpoint.format import MASTER, CheckpointError, StoredTensor, storage_name
+from evenzero.spec import dtype_name
 
 
 @dataclass(frozen=True)
@@ -181,10 +182,6 @@ def local_model(opt: Any, place: RankPlace) -> LocalModel:
                    for n, t in extra_tensors(opt).items())
     return LocalModel(tuple(params), ep_size, place.ep_ranks, optimizer_class(opt.optimizer),
                       hyper_keys, state_keys, extras)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass

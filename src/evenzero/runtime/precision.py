@@ -33,10 +33,6 @@ def as_dtype(value: torch.dtype | str, what: str) -> torch.dtype:
     return DTYPES[value]
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 @dataclass(frozen=True)
 class LossScaleConfig:
     """Dynamic loss scaling, as in apex/DeepSpeed/torch.amp.GradScaler."""

@@ -31,8 +31,8 @@ from evenzero.runtime.groups import (
     model_spec,
     trainable,
 )
-from evenzero.runtime.precision import as_dtype, dtype_name
-from evenzero.spec import ModelSpec
+from evenzero.runtime.precision import as_dtype
+from evenzero.spec import ModelSpec, dtype_name
 from evenzero.strategies.common import PlanOptions
 
 

@@ -18,8 +18,7 @@ import torch
 from evenzero.plan import STEP, Collective, Plan
 from evenzero.runtime.buckets import FlatParams
 from evenzero.runtime.collectives import all_gather_flat
-from evenzero.runtime.precision import dtype_name
-from evenzero.spec import DTYPE_BYTES
+from evenzero.spec import DTYPE_BYTES, dtype_name
 
 
 @dataclass(eq=False)
