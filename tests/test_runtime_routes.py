@@ -17,7 +17,7 @@ from evenzero.runtime.config import ELEMENTWISE_OPTIMIZERS, ZeroConfig, check_el
 from evenzero.runtime.routes import plan_routes, unreduced
 from evenzero.spec import GroupSpec, ModelSpec, ParamSpec
 from evenzero.strategies import PlanOptions, plan
-from evenzero.strategies.deepspeed import split_by_group
+from evenzero.strategies.executable import split_by_group
 
 
 @st.composite

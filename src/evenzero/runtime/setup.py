@@ -33,7 +33,7 @@ from evenzero.runtime.groups import (
 )
 from evenzero.runtime.precision import as_dtype
 from evenzero.spec import ModelSpec, dtype_name
-from evenzero.strategies.common import PlanOptions
+from evenzero.strategies import PlanOptions, executable_plan
 
 
 @dataclass(frozen=True)
@@ -161,25 +161,7 @@ def plan_options(config: ZeroConfig) -> PlanOptions:
 def make_plan(spec: ModelSpec, world_size: int, config: ZeroConfig,
               group_sizes: Mapping[str, int]) -> Plan:
     """Plan with the configured strategy and check it fits the process groups we have."""
-    options = plan_options(config)
-    if callable(config.strategy):
-        plan = config.strategy(spec, world_size, options)
-    elif config.strategy == "evenzero":
-        # Imported directly so the engine does not depend on every peer planner importing.
-        from evenzero.strategies.evenzero import plan_evenzero
-
-        plan = plan_evenzero(spec, world_size, options)
-    else:
-        from evenzero.strategies import plan as plan_with
-
-        plan = plan_with(spec, world_size, config.strategy, options)
-    names = {g.name for g in plan.groups}
-    if any(b.group not in names for b in plan.buckets):
-        # DeepSpeed's IPG buckets mix param groups; the runtime reduces a bucket on one
-        # process group, so run the same collectives on single-group buckets.
-        from evenzero.strategies.deepspeed import split_by_group
-
-        plan = split_by_group(plan)
+    plan = executable_plan(spec, world_size, config.strategy, plan_options(config))
     if not plan.sharded:
         raise ZeroConfigError(f"strategy {config.strategy!r} keeps full optimizer state on every "
                               f"rank; ZeroOptimizer runs sharded plans such as 'evenzero'")

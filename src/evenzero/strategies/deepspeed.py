@@ -22,17 +22,15 @@ Params whose gradient never arrives produce no collective at all: the owner step
 zeros with no cross-rank agreement (§6). The plan says so in its notes.
 
 `Plan.buckets` are the IPG buckets themselves (group `IPG_GROUP`, since one bucket mixes
-dense and expert params); `split_by_group` re-expresses a plan with single-group buckets
-for consumers that need one process group per bucket, with the same collectives.
+dense and expert params); `evenzero.strategies.executable.split_by_group` re-expresses a
+plan with single-group buckets for the runtime, with the same collectives.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
-from itertools import groupby
 
-from evenzero.plan import BACKWARD, STEP, Bucket, Collective, Plan, PlanError
+from evenzero.plan import BACKWARD, STEP, Collective, Plan
 from evenzero.spec import ModelSpec
 from evenzero.strategies.common import (
     PlanOptions,
@@ -181,40 +179,3 @@ def plan_deepspeed_reduce_mode(spec: ModelSpec, world_size: int,
     """DeepSpeed >= 0.12.4 with use_multi_rank_bucket_allreduce=False."""
     return plan_with("deepspeed-reduce-mode", reduce_per_destination, spec, world_size,
                      options or PlanOptions())
-
-
-def split_by_group(p: Plan) -> Plan:
-    """The same schedule with each mixed IPG bucket split into single-group buckets.
-
-    For consumers that need a bucket to live on one process group (the runtime's routes
-    look a bucket up by (group, index) and use one group rank per bucket). Each run of
-    consecutive backward collectives on one param group becomes a bucket of that group,
-    indexed per group in issue order. It keeps the IPG bucket's size and offsets, so the
-    (root, offset, numel) rows are unchanged; it lists only the params its collectives
-    carry, so the rest of the buffer reads as padding. The seed case becomes (dense, 0)
-    with 11 reduces, (experts, 0) with 2 and, with the gate, (dense, 1) with 1.
-    """
-    owner = {s.name: b.group for b in p.layouts for s in b.params}
-    buckets: list[Bucket] = []
-    backward: list[Collective] = []
-    count: dict[str, int] = {}
-    for bucket in p.buckets:
-        calls = [c for c in p.backward() if c.bucket == bucket.index]
-        for group, run in groupby(calls, key=lambda c: c.group):
-            run = list(run)
-            pieces = [x for c in run for x in c.pieces()]
-            slots = tuple(s for s in bucket.params
-                          if any(o < s.offset + s.numel and s.offset < o + n for o, n in pieces))
-            mixed = sorted({owner[s.name] for s in slots} - {group})
-            if mixed:
-                # DeepSpeed merges runs of two param groups on one process group into one
-                # message; a single-group bucket cannot describe that without dropping
-                # the other group's gradients, so refuse rather than run it wrongly.
-                raise PlanError(f"DeepSpeed's schedule merges param groups {group!r} and "
-                                f"{mixed[0]!r} (same process group) into one message; run "
-                                f"it with one param group per process group")
-            index = count.get(group, 0)
-            count[group] = index + 1
-            buckets.append(Bucket(group, index, bucket.numel, slots))
-            backward += [replace(c, bucket=index) for c in run]
-    return replace(p, buckets=tuple(buckets), collectives=tuple(backward) + p.step())
