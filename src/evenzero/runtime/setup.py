@@ -22,6 +22,7 @@ from evenzero.runtime.checks import (
     agree,
     check_group_partition,
 )
+from evenzero.runtime.collectives import control_device
 from evenzero.runtime.config import ZeroConfig, check_elementwise
 from evenzero.runtime.groups import (
     GroupingError,
@@ -52,8 +53,8 @@ class Setup:
     """The planner's description of the model (arrival: reverse registration)."""
     device: torch.device
     """Device of every parameter."""
-    comm_device: torch.device
-    """Device of the small control tensors (CUDA under NCCL, else CPU)."""
+    control_device: torch.device
+    """Device of the small control tensors (`collectives.control_device`)."""
 
 
 def _check_devices(named) -> torch.device:
@@ -66,13 +67,6 @@ def _check_devices(named) -> torch.device:
         raise GroupingError("parameters are on the meta device; materialise them first "
                             "(module.to_empty(device=...) and initialise the weights)")
     return device
-
-
-def _comm_device(world_group, device: torch.device | None) -> torch.device:
-    backend = str(dist.get_backend(world_group))
-    if "nccl" in backend and (backend == "nccl" or (device is not None and device.type == "cuda")):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _members(group: TrainGroup, world_group) -> tuple[int, ...]:
@@ -145,7 +139,7 @@ def establish(module: torch.nn.Module, optimizer_class, param_groups: Iterable[M
         settings=_settings(config, optimizer_class, {**defaults, **{
             f"{g.name}.{k}": v for g in groups for k, v in g.options.items()}}),
         error=error)
-    comm = _comm_device(world_group, device)
+    comm = control_device(world_group, device)
     agree(desc, world_group, comm)
     check_group_partition(members, world_group, comm, [g.name for g in groups])
     spec = model_spec(type(module).__name__, named, groups, world, sizes)
