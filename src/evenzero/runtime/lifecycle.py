@@ -123,9 +123,12 @@ class Lifecycle:
     # ------------------------------------------------------------------ step
 
     def require(self, what: str) -> None:
-        """Raise unless `what` (step, clip_grad_norm_) may run in the current state."""
-        if self.state not in STEPPABLE:
-            raise ZeroRuntimeError(f"{what}() {REFUSALS[self.state]}")
+        """Raise unless `what` (step, clip_grad_norm_) may run in the current state.
+        Inside any running backward (a tensor hook, say) it may not, even before the
+        first parameter's gradient has told the optimizer that a backward began."""
+        state = TrainingState.BACKWARD if in_backward() else self.state
+        if state not in STEPPABLE:
+            raise ZeroRuntimeError(f"{what}() {REFUSALS[state]}")
 
     def checked(self, stats: GradStats) -> None:
         self.record.stats = stats
