@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO-2 planners against the seed case (shared/reference/seed-case.md) and §2-§5."""
+"""DeepSpeed ZeRO-2 planners against the seed case (deepspeedai/DeepSpeed#3151) and the
+partitioning, IPG bucket and dispatch rules of deepspeed/runtime/zero/stage_1_and_2.py."""
 
 import time
 

@@ -1,7 +1,10 @@
-"""DeepSpeed ZeRO-2's backward schedule, old and new (shared/reference/deepspeed-zero2.md).
+"""DeepSpeed ZeRO-2's backward schedule, old and new.
 
-All three variants share the layout, the IPG buckets and `rank_and_offsets` of
-`deepspeed_layout`; they differ only in how a flushed bucket is communicated (§5.4, §5.5):
+Source: deepspeed/runtime/zero/stage_1_and_2.py (`average_tensor`) at commit edaa72212
+(after v0.19.5; unversioned line numbers below are there), v0.9.0 and v0.6.1. All three
+variants share the layout, the IPG buckets and `rank_and_offsets` of `deepspeed_layout`;
+they differ only in how a flushed bucket is communicated (@edaa72212:L1438-1468; before
+v0.12.4, v0.6.1:L958-973 and v0.9.0:L972-987):
 
 * "deepspeed-0.6" (v0.10 .. v0.12.3; v0.6-v0.9 differ only in not checking the process
   group when merging): one `reduce` per `rank_and_offsets` entry, rooted at the entry's
@@ -14,12 +17,14 @@ All three variants share the layout, the IPG buckets and `rank_and_offsets` of
 
 The step is planned the same for all: three 1-element norm all-reduces over the world,
 then one `all_gather_into_tensor` of each group's flat layout on its (expert-)DP group.
-That is exact from 0.12.4 (#4695); before it, "deepspeed-0.6" gathered in chunks of
+That is exact from 0.12.4 (deepspeedai/DeepSpeed#4695, `all_gather_dp_groups`,
+deepspeed/runtime/utils.py@edaa72212:1005-1013); before it, "deepspeed-0.6" gathered in chunks of
 `allgather_bucket_size` (5e8 elements), which is one call per group for every preset
 here except the very largest, so the simplification only undercounts those.
 
 Params whose gradient never arrives produce no collective at all: the owner steps on
-zeros with no cross-rank agreement (§6). The plan says so in its notes.
+zeros with no cross-rank agreement (`independent_gradient_partition_epilogue`,
+L919-969; zeros for a None grad at L2110-2111). The plan says so in its notes.
 
 `Plan.buckets` are the IPG buckets themselves (group `IPG_GROUP`, since one bucket mixes
 dense and expert params); `evenzero.strategies.executable.split_by_group` re-expresses a
@@ -46,7 +51,7 @@ from evenzero.strategies.deepspeed_layout import (
 )
 
 DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
-"""`reduce_bucket_size` default, in elements (zero/config.py)."""
+"""`reduce_bucket_size` default, in elements (deepspeed/runtime/zero/config.py@edaa72212:L113)."""
 
 NORM_ALL_REDUCES = 3
 """1-element all-reduces DeepSpeed's step issues over the world (grad norm and overflow)."""
@@ -95,7 +100,7 @@ def flattened(op: str, spec: ModelSpec, options: PlanOptions, bucket: int,
 
 def reduce_per_entry(spec: ModelSpec, zero: ZeroPartitioning, limit: int,
                      options: PlanOptions) -> list[Collective]:
-    """<= v0.12.3 (§5.5): one async reduce per entry, in bucket-offset order."""
+    """<= v0.12.3: one async reduce per entry, in bucket-offset order (v0.9.0:L972-987)."""
     return [Collective(BACKWARD, "reduce", e.group, e.process_group.size, e.dst, bucket.index,
                        e.offset, e.numel, itemsize=message_itemsize(spec, e.group, options))
             for bucket, entries in zip(zero.buckets, zero.entries, strict=True) for e in entries]
@@ -103,7 +108,8 @@ def reduce_per_entry(spec: ModelSpec, zero: ZeroPartitioning, limit: int,
 
 def all_reduce_per_process_group(spec: ModelSpec, zero: ZeroPartitioning, limit: int,
                                  options: PlanOptions) -> list[Collective]:
-    """v0.12.4+ default (§5.4): per bucket, one all-reduce per process group (per chunk)."""
+    """v0.12.4+ default: per bucket, one all-reduce per process group per chunk
+    (`allreduce_and_scatter`, @edaa72212:L1314-1348)."""
     out = []
     for bucket, entries in zip(zero.buckets, zero.entries, strict=True):
         by_pg: dict[object, list[ReduceEntry]] = {}
@@ -117,7 +123,8 @@ def all_reduce_per_process_group(spec: ModelSpec, zero: ZeroPartitioning, limit:
 
 def reduce_per_destination(spec: ModelSpec, zero: ZeroPartitioning, limit: int,
                            options: PlanOptions) -> list[Collective]:
-    """`use_multi_rank_bucket_allreduce=False` (§5.4): one reduce per (dst, process group)."""
+    """`use_multi_rank_bucket_allreduce=False`: one reduce per (dst, process group) per
+    chunk (`allreduce_no_retain`, @edaa72212:L1910-1941)."""
     out = []
     for bucket, entries in zip(zero.buckets, zero.entries, strict=True):
         by_dst: dict[object, list[ReduceEntry]] = {}
