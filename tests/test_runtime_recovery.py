@@ -135,18 +135,33 @@ class Fragile(MLP):
         return self.head(RaiseInBackward.apply(h, fail))
 
 
+def sgd_pair(model_class):
+    """A ZeroOptimizer model and a single-process SGD reference with the same weights."""
+    from evenzero import ZeroOptimizer
+
+    torch.manual_seed(0)
+    model = model_class()
+    ref = copy.deepcopy(model)
+    opt = ZeroOptimizer(model, torch.optim.SGD, lr=0.1, bucket_numel=64)
+    return model, opt, ref, torch.optim.SGD(ref.parameters(), lr=0.1)
+
+
+def step_both(opt, ref, ref_opt, batch) -> None:
+    """Step the sharded model (its backward done) and the reference on the whole batch."""
+    opt.step()
+    opt.zero_grad()
+    mlp_loss(ref, batch).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+
+
 def check_recovers_when_one_rank_raises(rank, world, bad_rank: int, bad_step: int, then: str):
     """`bad_rank` raises in backward at `bad_step`; it recovers with `then` (zero_grad, a
     plain forward, or step, which raises); the other ranks' step raises. Afterwards every
     rank trains on exactly the steps that succeeded, like a single process would."""
-    from evenzero import ZeroOptimizer
     from evenzero.runtime import ZeroRuntimeError
 
-    torch.manual_seed(0)
-    model = Fragile()
-    ref = copy.deepcopy(model)
-    opt = ZeroOptimizer(model, torch.optim.SGD, lr=0.1, bucket_numel=64)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model, opt, ref, ref_opt = sgd_pair(Fragile)
     assert len(opt.plan.buckets) > 1
     for step in range(4):
         batch = mlp_batch(step, 4 * world)
@@ -169,24 +184,15 @@ def check_recovers_when_one_rank_raises(rank, world, bad_rank: int, bad_step: in
                 opt.step()  # refused locally: no collective, no hang
             opt.zero_grad()
             continue
-        opt.step()
-        opt.zero_grad()
-        mlp_loss(ref, batch).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        step_both(opt, ref, ref_opt, batch)
     opt.wait_for_params()
     assert_same_params(model, ref)
 
 
 def check_step_during_backward_is_refused(rank, world):
-    from evenzero import ZeroOptimizer
     from evenzero.runtime import ZeroRuntimeError
 
-    torch.manual_seed(0)
-    model = MLP()
-    ref = copy.deepcopy(model)
-    opt = ZeroOptimizer(model, torch.optim.SGD, lr=0.1, bucket_numel=64)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model, opt, ref, ref_opt = sgd_pair(MLP)
     batch = mlp_batch(0, 4 * world)
     mine = tuple(part(t, rank, world) for t in batch)
     out = model(mine[0])
@@ -197,11 +203,7 @@ def check_step_during_backward_is_refused(rank, world):
     for step in range(1, 3):
         batch = mlp_batch(step, 4 * world)
         mlp_loss(model, tuple(part(t, rank, world) for t in batch)).backward()
-        opt.step()
-        opt.zero_grad()
-        mlp_loss(ref, batch).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+        step_both(opt, ref, ref_opt, batch)
     opt.wait_for_params()
     assert_same_params(model, ref)
 
