@@ -1,16 +1,20 @@
 """The README's training loop as a script, for the clean-exit tests under torchrun.
 
     torchrun --standalone --nproc-per-node 2 tests/readme_loop_job.py [--bf16] [--overlap]
-        [--end {nothing,destroy,del}]
+        [--end {nothing,destroy,del,save}]
 
 It ends the way real jobs end: falling off the end of the script (`nothing`), with
-`dist.destroy_process_group()` (`destroy`), or dropping the optimizer first (`del`).
-Every rank must exit with status 0.
+`dist.destroy_process_group()` (`destroy`), dropping the optimizer first (`del`), or
+saving a checkpoint as the last thing (`save`). Every rank must exit with status 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,7 +27,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--overlap", action="store_true", help="overlap_param_gather=True")
-    parser.add_argument("--end", choices=("nothing", "destroy", "del"), default="nothing")
+    parser.add_argument("--end", choices=("nothing", "destroy", "del", "save"),
+                        default="nothing")
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
 
@@ -43,6 +48,13 @@ def main() -> None:
         opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
+    if args.end == "save":
+        # One directory for every rank of this torchrun job, removed once all have written.
+        where = Path(tempfile.gettempdir()) / f"evenzero-exit-{os.environ['TORCHELASTIC_RUN_ID']}"
+        opt.save(where)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(where, ignore_errors=True)
     if args.end == "del":
         del opt
     if args.end in ("destroy", "del"):

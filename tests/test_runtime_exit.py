@@ -21,7 +21,7 @@ from dist_helpers import run_distributed, torchrun_standalone, torchrun_two_agen
 from test_runtime_models import MLP, mlp_batch, mlp_loss, part
 
 JOB = Path(__file__).with_name("readme_loop_job.py")
-ENDINGS = [(), ("--bf16", "--overlap", "--end", "destroy"), ("--end", "del")]
+ENDINGS = [(), ("--bf16", "--overlap", "--end", "destroy"), ("--end", "del"), ("--end", "save")]
 
 
 def assert_clean_single_node(args) -> None:

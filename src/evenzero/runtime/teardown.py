@@ -17,6 +17,8 @@ The fix here is structural: the runtime keeps every `Work` it issues (`keep`) un
 issues the next batch, so a worker thread never drops the last reference and never
 needs the GIL; and at interpreter exit (`atexit`, while the interpreter is whole) every
 live optimizer finishes its outstanding work and the last batch is never freed at all.
+Collectives issued by others (checkpoints, the script) get a short GIL-free pause at
+exit instead; code that issues collectives at the end of a job can `keep` their work.
 An optimizer that is dropped (`del opt`) finishes its outstanding work and removes its
 hooks from the model through a `weakref.finalize`; the hooks hold the optimizer only
 weakly, so dropping it really frees it.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -103,9 +106,18 @@ def release_with(owner: Any, resources: Resources) -> None:
     weakref.finalize(owner, resources.close)
 
 
+EXIT_DRAIN_SECONDS = 0.05
+"""How long the exit handler leaves the GIL free for worker threads already waiting on it."""
+
+
 @atexit.register
 def _at_exit() -> None:
     # atexit runs before finalisation starts, while every thread can still take the GIL.
     for resources in list(_LIVE):
         resources.close()
     KEEPER.retain_forever()
+    # Collectives issued outside the runtime (a checkpoint's, the script's own) had their
+    # `Work` dropped by torch right after the wait, so a worker thread may be waiting for
+    # the GIL to free their tensors. Sleeping releases the GIL to it while the
+    # interpreter is still whole.
+    time.sleep(EXIT_DRAIN_SECONDS)
