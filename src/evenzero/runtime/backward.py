@@ -2,8 +2,8 @@
 that raised.
 
 `BackwardSide` is a mixin of `ZeroOptimizer` (one object, so the hooks can hold it
-weakly and `del opt` frees it at once). It reacts to the hooks (`on_forward`,
-`on_backward_start`, `on_grad`, `on_backward_end`), moves the `Lifecycle` and, at the
+weakly and `del opt` frees it at once). It reacts to the hooks (`_on_forward`,
+`_on_backward_start`, `_on_grad`, `_on_backward_end`), moves the `Lifecycle` and, at the
 end of each synced backward, finishes the bucket reductions.
 
 A backward that raised on one rank only is the hard case: the other ranks finished
@@ -43,14 +43,14 @@ class BackwardSide:
 
     # ------------------------------------------------------------------ hooks
 
-    def backward_running(self: ZeroOptimizer) -> bool:
+    def _backward_running(self: ZeroOptimizer) -> bool:
         return self._life.state is TrainingState.BACKWARD
 
-    def on_forward(self: ZeroOptimizer) -> None:
+    def _on_forward(self: ZeroOptimizer) -> None:
         if self._life.is_dead_backward():
             self._recover()
 
-    def on_backward_start(self: ZeroOptimizer) -> None:
+    def _on_backward_start(self: ZeroOptimizer) -> None:
         if self._life.is_dead_backward():
             # No forward through the module and no zero_grad() since the backward that
             # raised: its partial gradients may already sit in this backward's first
@@ -65,7 +65,7 @@ class BackwardSide:
         self._life.record.stale_layouts = set(self._prefetch.pending)
         self._prefetch.wait_all()
 
-    def on_grad(self: ZeroOptimizer, name: str) -> None:
+    def _on_grad(self: ZeroOptimizer, name: str) -> None:
         life = self._life
         rec = life.record
         rec.presence[self._index[name]] = 1.0
@@ -74,7 +74,7 @@ class BackwardSide:
         if life.backward_synced and not life.measuring:
             self._reducer.grad_ready(name)
 
-    def on_backward_end(self: ZeroOptimizer) -> None:
+    def _on_backward_end(self: ZeroOptimizer) -> None:
         self._end_backward(aborted=False)
 
     # ------------------------------------------------------------------ backward end

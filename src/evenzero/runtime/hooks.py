@@ -42,15 +42,15 @@ from torch.utils import _pytree as pytree
 class BackwardObserver(Protocol):
     """What the hooks report to (the optimizer)."""
 
-    def backward_running(self) -> bool: ...
+    def _backward_running(self) -> bool: ...
 
-    def on_forward(self) -> None: ...
+    def _on_forward(self) -> None: ...
 
-    def on_backward_start(self) -> None: ...
+    def _on_backward_start(self) -> None: ...
 
-    def on_grad(self, name: str) -> None: ...
+    def _on_grad(self, name: str) -> None: ...
 
-    def on_backward_end(self) -> None: ...
+    def _on_backward_end(self) -> None: ...
 
 
 def output_tensors(value: Any) -> list[torch.Tensor]:
@@ -124,7 +124,7 @@ class BackwardHooks:
     def _before_forward(self, _module, _args) -> None:
         owner = self._owner()
         if owner is not None:
-            owner.on_forward()
+            owner._on_forward()
 
     def _watch_outputs(self, _module, _args, output) -> None:
         if not torch.is_grad_enabled() or self._owner() is None:
@@ -148,27 +148,27 @@ class BackwardHooks:
         if owner is None or self._task == task or not _accumulates(grad_fn):
             return  # the parameter hooks took care of it, or it was torch.autograd.grad
         self._task = task
-        owner.on_backward_start()
-        owner.on_backward_end()
+        owner._on_backward_start()
+        owner._on_backward_end()
 
     def _hook(self, name: str, _param: torch.Tensor) -> None:
         owner = self._owner()
         if owner is None:
             return
         with record_function("evenzero::backward_hook"):
-            if not owner.backward_running():
+            if not owner._backward_running():
                 self._task = torch._C._current_graph_task_id()
                 torch.autograd.Variable._execution_engine.queue_callback(self._end)
-                owner.on_backward_start()
+                owner._on_backward_start()
             if self.arrival is not None and name not in self._recorded:
                 self._recorded.add(name)
                 self.arrival.append(name)
-            owner.on_grad(name)
+            owner._on_grad(name)
 
     def _end(self) -> None:
         owner = self._owner()
         if owner is not None:
-            owner.on_backward_end()
+            owner._on_backward_end()
 
     def remove(self) -> None:
         for h in self.handles:

@@ -40,7 +40,11 @@ skips `grad=None`; one that produced a gradient on some ranks only is an error u
 `allow_partial_grads=True`. A rank whose backward reaches no managed parameter (but
 does go through the module's output) reduces zeros, so the others do not wait for it;
 the step then names the parameters, as above. Reentrant activation checkpointing is not
-supported.
+supported. A backward that raises on some ranks only voids the step on every rank: the
+rank that raised settles its share of the collectives at its next zero_grad(), forward
+or step, the others' step raises, and zero_grad() on every rank goes on. zero_grad()
+after a backward but before step() takes part in the step's one small all-reduce, so a
+rank that discards its gradients while the others step is an error, not a divergence.
 """
 
 from __future__ import annotations
