@@ -18,8 +18,8 @@ from evenzero.cost import (
 )
 from evenzero.cost.memory import DEEPSPEED_REDUCE_BUCKET
 from evenzero.cost.presets import PRESETS, cost_preset, default_cost_preset, load_cost_model
+from evenzero.model_presets import preset
 from evenzero.plan import Collective, GroupInfo, Plan
-from evenzero.presets import preset
 from evenzero.strategies import plan
 
 H100_IB = PRESETS["h100-ndr-ib"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from evenzero.model_presets import preset
 from evenzero.plan import Plan
-from evenzero.presets import preset
 from evenzero.spec import DTYPE_BYTES, GroupSpec, ModelSpec, ParamSpec
 from evenzero.strategies import PlanOptions
 from evenzero.strategies import plan as make_plan

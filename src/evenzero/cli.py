@@ -25,9 +25,9 @@ from pathlib import Path
 from evenzero.cost import CostModel, CostModelError, predict
 from evenzero.cost.presets import PRESETS as COST_PRESETS
 from evenzero.cost.presets import default_cost_preset, load_cost_model
+from evenzero.model_presets import PRESETS, preset
 from evenzero.plan import PlanError
 from evenzero.plan_report import plans_record, summarize
-from evenzero.presets import PRESETS, preset
 from evenzero.spec import GroupSpec, ModelSpec, SpecError, from_json
 from evenzero.strategies import STRATEGY_NAMES, PlanOptions, plan, strategy_names
 

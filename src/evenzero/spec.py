@@ -1,7 +1,7 @@
 """Models as parameter specs: names, shapes, groups and gradient-arrival order.
 
 A spec comes from an `nn.Module` built on the meta device (no memory is used), from a
-JSON file, or from a preset (`evenzero.presets`). The planner needs nothing else.
+JSON file, or from a preset (`evenzero.model_presets`). The planner needs nothing else.
 """
 
 from __future__ import annotations
@@ -16,6 +16,12 @@ from typing import Any
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 DENSE = "dense"
+
+
+def dtype_name(dtype: Any) -> str:
+    """A torch dtype's name without the "torch." prefix ("bfloat16"). Needs no torch import,
+    so the planner, the runtime and the checkpoints all spell dtypes this one way."""
+    return str(dtype).removeprefix("torch.")
 
 
 class SpecError(ValueError):
@@ -220,9 +226,22 @@ def from_json(data: Mapping[str, Any] | str | Path, name: str | None = None) -> 
 # --------------------------------------------------------------------------- nn.Module
 
 
+def is_expert(param: Any) -> bool:
+    """DeepSpeed's MoE marker: an expert parameter has `param.allreduce = False` and is
+    reduced over its expert-data-parallel group (deepspeed/moe/utils.py@v0.19.8:27
+    `is_moe_param`)."""
+    return getattr(param, "allreduce", True) is False
+
+
+def mark_expert(param: Any, group_name: str) -> None:
+    """Set DeepSpeed's MoE marker on `param`, as deepspeed/moe/experts.py@v0.19.8:25 does."""
+    param.allreduce = False
+    param.group_name = group_name
+
+
 def expert_group_name(param: Any, default: str = "experts") -> str | None:
-    """DeepSpeed's MoE convention: `param.allreduce is False` marks an expert param."""
-    if getattr(param, "allreduce", True) is False:
+    """The expert group of a marked parameter (`param.group_name`), or None for a dense one."""
+    if is_expert(param):
         return str(getattr(param, "group_name", default))
     return None
 
@@ -263,7 +282,7 @@ def from_module(module: Any, example_input: Callable[[], Any] | Any | None = Non
             g = DENSE
         elif g not in groups:
             groups[g] = GroupSpec(g, options.expert_parallel_size)
-        dtype = str(p.dtype).removeprefix("torch.")
+        dtype = dtype_name(p.dtype)
         params.append(ParamSpec(n, tuple(p.shape), g, dtype))
     used_groups = tuple(g for g in groups.values() if any(p.group == g.name for p in params))
 

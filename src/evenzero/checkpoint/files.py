@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from evenzero.checkpoint.format import MANIFEST, CheckpointError, FileRecord, Manifest
+from evenzero.spec import dtype_name
 
 HASH_CHUNK = 16 * 2**20
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -46,7 +47,7 @@ def write_file(path: Path, tensors: dict[str, Any], rank: int) -> FileRecord:
     header: dict[str, Any] = {}
     offset = 0
     for key, t in tensors.items():
-        dtype = str(t.dtype).removeprefix("torch.")
+        dtype = dtype_name(t.dtype)
         if dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{path.name}: tensor {key!r} has dtype {dtype}, which a "
                                   f"checkpoint cannot store")

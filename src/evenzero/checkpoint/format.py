@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from evenzero.spec import dtype_name
+
 FORMAT = "evenzero-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -73,7 +75,7 @@ def encode_value(value: Any) -> Any:
         if value.numel() > SMALL_TENSOR_NUMEL:
             raise CheckpointError(f"tensor of shape {list(value.shape)} is too large to store as "
                                   f"a scalar; only shard-shaped optimizer state is sharded")
-        return {"__tensor__": {"dtype": str(value.dtype).removeprefix("torch."),
+        return {"__tensor__": {"dtype": dtype_name(value.dtype),
                                "shape": list(value.shape),
                                "values": value.detach().cpu().flatten().tolist()}}
     if isinstance(value, tuple):

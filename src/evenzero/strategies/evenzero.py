@@ -10,7 +10,7 @@ owner's shard: no pieces, no merging, no root.
 
 from __future__ import annotations
 
-from evenzero.plan import BACKWARD, STEP, Bucket, Collective, Plan, Slot, align_up
+from evenzero.plan import BACKWARD, Bucket, Collective, Plan, Slot, align_up, step_check
 from evenzero.spec import DTYPE_BYTES, ModelSpec
 from evenzero.strategies.common import (
     PlanOptions,
@@ -90,8 +90,5 @@ def plan_evenzero(spec: ModelSpec, world_size: int, options: PlanOptions | None 
 
 
 def grad_check(spec: ModelSpec, world_size: int) -> Collective:
-    """The step's one small all-reduce: global grad norm, overflow flag, a presence bit per
-    parameter (a gradient that exists on some ranks only is caught by name) and a flag for
-    problems one rank found in backward (so every rank raises, none waits)."""
-    return Collective(STEP, "all_reduce", "world", world_size, None, None, 0,
-                      len(spec.params) + 3, itemsize=4)
+    """The step's one small all-reduce (`evenzero.plan.step_check`)."""
+    return step_check(world_size, len(spec.params))

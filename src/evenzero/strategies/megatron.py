@@ -1,4 +1,9 @@
-"""Megatron-core DDP with the distributed optimizer (shared/reference/peers.md §1).
+"""Megatron-core DDP with the distributed optimizer.
+
+Source: NVIDIA/Megatron-LM at commit d98e8a64, megatron/core/distributed/
+param_and_grad_buffer.py (`_ParamAndGradBuffer`, `_ParamAndGradBucketGroup.start_grad_sync`),
+megatron/core/optimizer/distrib_optimizer.py (`_build_model_gbuf_range`) and
+megatron/core/distributed/distributed_data_parallel.py (the bucket size).
 
 Per buffer (one per param group here: dense, and experts on their expert-DP group):
 

@@ -52,7 +52,7 @@ class _Builder:
 
 
 def seed_moe(gate_grad: bool = True, dtype: str = "float32") -> ModelSpec:
-    """The model of DeepSpeed issue #3151 (shared/reference/seed-case.md), per rank.
+    """The model of DeepSpeed issue #3151 (deepspeedai/DeepSpeed#3151), per rank.
 
     fc1, fc2 = Linear(1000, 1000); an MoE layer with gate Linear(1000, 16, bias=False),
     16 experts at expert-parallel size 4 (4 local experts, each fc1/fc2 Linear(1000, 1000)).
