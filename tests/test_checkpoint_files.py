@@ -68,6 +68,8 @@ def save(root: Path, name: str, seed: int) -> Manifest:
 
 def visible(root: Path, name: str | None) -> Manifest:
     """The manifest a loader finds (by tag `name`, or the newest step), every file verified."""
+    if name is None:  # the newest step under its own name, also mid-publish
+        assert newest(root) == root / "step-000004"
     path = resolve(root, name) if name else resolve(root)
     manifest = read_manifest(path)
     for record in manifest.files:
@@ -161,7 +163,8 @@ def test_format1_resave_interrupted_between_its_renames_is_recovered(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000004", "step-000006"]
 
 
-@pytest.mark.parametrize("tag", ["", ".", "..", "../x", "a/b", "a\\b", ".hidden", "/abs", "a\0b", 7])
+@pytest.mark.parametrize("tag", ["", ".", "..", "../x", "a/b", "a\\b", ".hidden", "/abs", "a\0b",
+                                 "a\nb", 7, None.__class__])
 def test_bad_tags_are_refused(tmp_path, tag):
     from evenzero.checkpoint.files import check_tag
 
@@ -169,3 +172,17 @@ def test_bad_tags_are_refused(tmp_path, tag):
         check_tag(tag)
     with pytest.raises(CheckpointError, match=r"is not a plain directory name"):
         resolve(tmp_path, tag)
+
+
+def test_a_directory_that_is_not_a_checkpoint_is_never_replaced(tmp_path):
+    (tmp_path / "best").mkdir()
+    (tmp_path / "best" / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"best exists and is not an evenzero checkpoint"):
+        save(tmp_path, "best", seed=1)
+    assert (tmp_path / "best" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("tag", ["global_step100", "best", "epoch 3", "v1+ft.2"])
+def test_tags_are_any_single_directory_name(tmp_path, tag):
+    manifest = save(tmp_path, tag, seed=3)
+    assert visible(tmp_path, tag) == manifest and (tmp_path / tag / "manifest.json").is_file()

@@ -381,3 +381,13 @@ def test_damaged_manifest_is_an_error_naming_the_file_and_field(tmp_path, edit, 
     with pytest.raises(CheckpointError, match=re.escape(str(tmp_path / "manifest.json")) + ": .*"
                        + message):
         read_manifest(tmp_path)
+
+
+def test_manifest_written_before_user_state_existed_still_reads(tmp_path):
+    """Format 1 manifests from before `extra=` have no "user_state" entry."""
+    spec = small_spec(SHAPES)
+    m = save_plain(plan(spec, 2), spec, full_values(spec, 1, 0), tmp_path)
+    data = json.loads((tmp_path / "manifest.json").read_text())
+    del data["user_state"]
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    assert read_manifest(tmp_path) == m and m.user_state == {}

@@ -46,7 +46,6 @@ from typing import Any
 
 from evenzero.checkpoint.format import (
     MANIFEST,
-    PLAIN_NAME,
     CheckpointError,
     FileRecord,
     Manifest,
@@ -233,12 +232,17 @@ def read_manifest(directory: Path) -> Manifest:
     return Manifest.from_json(data, str(path))
 
 
+TAG = re.compile(r"[^./\\\x00-\x1f][^/\\\x00-\x1f]*")
+"""A tag names one directory: no separator or control character, not empty, not hidden
+(which also rules out `.` and `..`, and our own staging names)."""
+
+
 def check_tag(tag: Any) -> str:
     """`tag` if it is a plain directory name for `save(..., tag=)`, else a clear error."""
-    if not isinstance(tag, str) or not PLAIN_NAME.fullmatch(tag):
-        raise CheckpointError(f"checkpoint tag {tag!r} is not a plain directory name: use "
-                              f"letters, digits, '_', '-' and '.', not starting with '.' (no "
-                              f"path separators, '..', or empty/hidden names)")
+    if not isinstance(tag, str) or not TAG.fullmatch(tag):
+        raise CheckpointError(f"checkpoint tag {tag!r} is not a plain directory name: no path "
+                              f"separators or control characters, not empty, not starting "
+                              f"with '.' (so not '.' or '..')")
     return tag
 
 
@@ -253,7 +257,7 @@ def published_copy(root: Path, name: str) -> Path | None:
 
 
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """Published `step-*` checkpoints under `root`, newest first (not opened)."""
+    """Published `step-*` checkpoints under `root` by their own names, newest first."""
     if not root.is_dir():
         return []
     steps = set()
@@ -263,8 +267,7 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
             m = STEP_DIR.fullmatch(name) if child.name.startswith(prefix) else None
             if m and child.is_dir():
                 steps.add((int(m.group(1)), name))
-    found = ((step, published_copy(root, name)) for step, name in steps)
-    return sorted(((s, p) for s, p in found if p is not None), reverse=True)
+    return sorted(((step, root / name) for step, name in steps), reverse=True)
 
 
 def newest(root: Path) -> Path | None:
@@ -272,7 +275,8 @@ def newest(root: Path) -> Path | None:
 
     Only names are looked at: a published directory was complete when it was renamed
     into place, so damage past that point must be reported by the loader, not skipped in
-    favour of an older checkpoint.
+    favour of an older checkpoint. The path is the checkpoint's own name (`step-N`), also
+    while a crashed publish leaves its copy under another (`resolve` finds it).
     """
     found = step_dirs(root)
     return found[0][1] if found else None
@@ -294,7 +298,7 @@ def resolve(path: Path, tag: str | None = None) -> Path:
         return copy
     found = newest(copy)
     if found is not None:
-        return found
+        return published_copy(copy, found.name) or found
     if STEP_DIR.fullmatch(copy.name) or any(copy.glob("*.safetensors")):
         read_manifest(copy)  # raises: a checkpoint without its manifest
     raise CheckpointError(f"{path}: no complete checkpoint (no step-*/{MANIFEST}); "
@@ -306,6 +310,11 @@ def prepare_staging(root: Path, name: str) -> Path:
     saves left behind (`settle`)."""
     root.mkdir(parents=True, exist_ok=True)
     settle(root)
+    final = root / name
+    if final.exists() and not (final / MANIFEST).is_file():
+        raise CheckpointError(f"{final} exists and is not an evenzero checkpoint (no {MANIFEST}), "
+                              f"so saving would replace it; nothing was written: save under "
+                              f"another step or tag, or move it away")
     for child in root.iterdir():
         if child.name.startswith(STAGING) and child.is_dir():
             shutil.rmtree(child)

@@ -184,7 +184,7 @@ class Manifest:
             return _parse(data, where)
         except CheckpointError:
             raise
-        except Damaged as e:
+        except _Damaged as e:
             raise CheckpointError(f"{where}: {e}; the checkpoint is damaged, load an older "
                                   f"one") from None
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -201,28 +201,28 @@ class Manifest:
         raise KeyError(name)
 
 
-class Damaged(ValueError):
+class _Damaged(ValueError):
     """A field of a manifest that this evenzero cannot have written; the message names it."""
 
 
-def whole(value: Any, name: str, minimum: int = 0) -> int:
-    """`value` if it is an int (not a bool) of at least `minimum`, else `Damaged`."""
+def _whole(value: Any, name: str, minimum: int = 0) -> int:
+    """`value` if it is an int (not a bool) of at least `minimum`, else `_Damaged`."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise Damaged(f"{name} is {value!r}, not an integer")
+        raise _Damaged(f"{name} is {value!r}, not an integer")
     if value < minimum:
-        raise Damaged(f"{name} is {value}, below {minimum}")
+        raise _Damaged(f"{name} is {value}, below {minimum}")
     return value
 
 
 def _text(value: Any, name: str) -> str:
     if not isinstance(value, str):
-        raise Damaged(f"{name} is {value!r}, not a string")
+        raise _Damaged(f"{name} is {value!r}, not a string")
     return value
 
 
 def _plain_name(value: Any, name: str) -> str:
     if not isinstance(value, str) or not PLAIN_NAME.fullmatch(value):
-        raise Damaged(f"{name} {value!r} is not a plain file name inside the checkpoint "
+        raise _Damaged(f"{name} {value!r} is not a plain file name inside the checkpoint "
                       f"directory (no path, separator, '..' or leading '.')")
     return value
 
@@ -234,9 +234,9 @@ def _file_json(f: FileRecord) -> dict[str, Any]:
 def _file_parse(f: Mapping[str, Any], name: str) -> FileRecord:
     digest = _text(f["sha256"], f"{name}.sha256")
     if not re.fullmatch(r"[0-9a-f]{64}", digest):
-        raise Damaged(f"{name}.sha256 {digest!r} is not a sha256 hex digest")
-    return FileRecord(_plain_name(f["name"], f"{name}.name"), whole(f["rank"], f"{name}.rank"),
-                      digest, whole(f["bytes"], f"{name}.bytes"))
+        raise _Damaged(f"{name}.sha256 {digest!r} is not a sha256 hex digest")
+    return FileRecord(_plain_name(f["name"], f"{name}.name"), _whole(f["rank"], f"{name}.rank"),
+                      digest, _whole(f["bytes"], f"{name}.bytes"))
 
 
 def _param_json(p: StoredParam) -> dict[str, Any]:
@@ -250,11 +250,11 @@ def _param_parse(key: str, p: Mapping[str, Any]) -> StoredParam:
     for i, run in enumerate(p["ranges"]):
         f, s, n = run
         ranges.append(StoredRange(_plain_name(f, f"{at}.ranges[{i}] file"),
-                                  whole(s, f"{at}.ranges[{i}] start"),
-                                  whole(n, f"{at}.ranges[{i}] numel")))
+                                  _whole(s, f"{at}.ranges[{i}] start"),
+                                  _whole(n, f"{at}.ranges[{i}] numel")))
     return StoredParam(key, _text(p["name"], f"{at}.name"), _text(p["group"], f"{at}.group"),
-                       whole(p["ep_rank"], f"{at}.ep_rank"),
-                       tuple(whole(d, f"{at}.shape") for d in p["shape"]),
+                       _whole(p["ep_rank"], f"{at}.ep_rank"),
+                       tuple(_whole(d, f"{at}.shape") for d in p["shape"]),
                        _text(p["dtype"], f"{at}.dtype"),
                        tuple(sorted(ranges, key=lambda r: r.start)))
 
@@ -268,10 +268,10 @@ def _group_json(g: StoredGroup) -> dict[str, Any]:
 def _group_parse(g: Mapping[str, Any], at: str) -> StoredGroup:
     for part in ("hyperparameters", "scalars"):
         if not isinstance(g[part], Mapping):
-            raise Damaged(f"{at}.{part} is not an object")
+            raise _Damaged(f"{at}.{part} is not an object")
     return StoredGroup(_text(g["name"], f"{at}.name"),
-                       whole(g["expert_parallel_size"], f"{at}.expert_parallel_size", 1),
-                       whole(g["size"], f"{at}.size", 1), dict(g["hyperparameters"]),
+                       _whole(g["expert_parallel_size"], f"{at}.expert_parallel_size", 1),
+                       _whole(g["size"], f"{at}.size", 1), dict(g["hyperparameters"]),
                        dict(g["scalars"]),
                        tuple(_text(k, f"{at}.state_keys") for k in g["state_keys"]))
 
@@ -281,14 +281,14 @@ def _scaler_parse(state: Any) -> Any:
     if state is None:
         return None
     if not isinstance(state, Mapping):
-        raise Damaged("loss_scaler is not an object")
+        raise _Damaged("loss_scaler is not an object")
     scale = state.get("scale", 1.0)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
             or not math.isfinite(scale) or scale <= 0:
-        raise Damaged(f"loss_scaler.scale is {scale!r}, not a finite positive number")
+        raise _Damaged(f"loss_scaler.scale is {scale!r}, not a finite positive number")
     for key in ("good_steps", "overflows"):
         if key in state:
-            whole(state[key], f"loss_scaler.{key}")
+            _whole(state[key], f"loss_scaler.{key}")
     return state
 
 
@@ -299,14 +299,14 @@ def _parse(data: Any, where: str) -> Manifest:
         raise CheckpointError(f"{where}: format version {data.get('format_version')!r}, this "
                               f"evenzero reads version {FORMAT_VERSION}; load it with a matching "
                               f"evenzero release and export_consolidated() it")
-    world = whole(data["world_size"], "world_size", 1)
+    world = _whole(data["world_size"], "world_size", 1)
     files = tuple(_file_parse(f, f"files[{i}]") for i, f in enumerate(data["files"]))
     known = {f.name for f in files}
     if len(known) != len(files):
-        raise Damaged("files lists a file name twice")
+        raise _Damaged("files lists a file name twice")
     for f in files:
         if f.rank >= world:
-            raise Damaged(f"file {f.name!r} is written by rank {f.rank} of {world}")
+            raise _Damaged(f"file {f.name!r} is written by rank {f.rank} of {world}")
     params = []
     for key, p in data["params"].items():
         sp = _param_parse(key, p)
@@ -314,16 +314,18 @@ def _parse(data: Any, where: str) -> Manifest:
         params.append(sp)
     opt = data["optimizer"]
     groups = tuple(_group_parse(g, f"optimizer.groups[{i}]") for i, g in enumerate(opt["groups"]))
-    extras = tuple(StoredTensor(n, tuple(whole(d, f"extras[{n!r}].shape") for d in t["shape"]),
+    if len({g.name for g in groups}) != len(groups):
+        raise _Damaged("optimizer.groups lists a group name twice")
+    extras = tuple(StoredTensor(n, tuple(_whole(d, f"extras[{n!r}].shape") for d in t["shape"]),
                                 _text(t["dtype"], f"extras[{n!r}].dtype"))
                    for n, t in data.get("extras", {}).items())
     user_state = {}
     for r, name in data.get("user_state", {}).items():
         if not r.isdigit() or int(r) >= world or name not in known:
-            raise Damaged(f"user_state entry {r!r}: {name!r} is not a listed file of a rank "
+            raise _Damaged(f"user_state entry {r!r}: {name!r} is not a listed file of a rank "
                           f"below {world}")
         user_state[int(r)] = name
-    return Manifest(whole(data["step"], "step"), whole(data["step_count"], "step_count"), world,
+    return Manifest(_whole(data["step"], "step"), _whole(data["step_count"], "step_count"), world,
                     _text(data["strategy"], "strategy"),
                     _text(data["library_version"], "library_version"),
                     _text(opt["class"], "optimizer.class"), groups, tuple(params), files, extras,
