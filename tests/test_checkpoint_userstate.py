@@ -125,3 +125,13 @@ def test_damaged_user_state_is_an_error_naming_the_file(tmp_path):
     with pytest.raises(CheckpointError, match=r"user-state-rank-00000.safetensors: malformed "
                                               r"user state \(KeyError"):
         read_user_state(tmp_path, manifest_for([forged], 1), 0)
+
+
+def test_a_structure_too_large_for_a_safetensors_header_is_refused(tmp_path, monkeypatch):
+    from evenzero.checkpoint import userstate
+
+    monkeypatch.setattr(userstate, "MAX_TREE_BYTES", 2**20)
+    write_user_state(tmp_path, 0, {"order": list(range(100_000))})
+    with pytest.raises(CheckpointError, match=r"extra: its structure is 2 MiB of JSON .* store "
+                                              r"large lists as tensors"):
+        write_user_state(tmp_path, 0, {"order": list(range(200_000, 500_000))})

@@ -28,6 +28,8 @@ from evenzero.checkpoint.values import decode_value, encode_value
 
 TREE_KEY = "evenzero.user_state"
 """The `__metadata__` entry holding the JSON structure."""
+MAX_TREE_BYTES = 64 * 2**20
+"""Safetensors readers refuse headers over 100 MB; the structure stays well below."""
 
 
 def user_state_file(rank: int) -> str:
@@ -46,9 +48,13 @@ def write_user_state(directory: Path, rank: int, extra: Any) -> FileRecord:
         tensors[key] = t.detach()
         return key
 
-    tree = encode_value(extra, "extra", keep)
+    text = json.dumps(encode_value(extra, "extra", keep))
+    if len(text) > MAX_TREE_BYTES:
+        raise CheckpointError(f"extra: its structure is {len(text) / 2**20:.0f} MiB of JSON "
+                              f"(safetensors headers hold up to {MAX_TREE_BYTES >> 20} MiB); "
+                              f"store large lists as tensors (torch.tensor(values))")
     return checkpoint_io.write_file(directory / user_state_file(rank), tensors, rank,
-                                    {TREE_KEY: json.dumps(tree)})
+                                    {TREE_KEY: text})
 
 
 def read_user_state(directory: Path, manifest: Manifest, rank: int) -> Any:
