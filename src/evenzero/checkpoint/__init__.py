@@ -90,8 +90,8 @@ def save(opt: Any, directory: str | os.PathLike, step: int | None = None, *,
             RNG states, ...): any nesting of dict, list, tuple, str, int, float, bool, None
             and torch tensors. Ranks may pass different values (RNG states differ); `load`
             gives each rank its own back as `Manifest.extra`.
-        tag: save as `directory/<tag>` instead of `step-NNNNNN` (DeepSpeed's tag). A plain
-            directory name: letters, digits, `_`, `-`, `.`, not starting with `.`.
+        tag: save as `directory/<tag>` instead of `step-NNNNNN` (DeepSpeed's tag): one
+            directory name, without separators, not empty and not starting with `.`.
 
     Saving a step or tag that already exists replaces it; until the new copy is published
     the old one stays loadable, and a crash at any point leaves one of the two.
@@ -99,9 +99,10 @@ def save(opt: Any, directory: str | os.PathLike, step: int | None = None, *,
     place = RankPlace.of(opt)
     root = Path(directory)
     named, err = attempt(lambda: _checkpoint_name(opt, step, tag))
+    mine = named[1] if named else None
     agree(place, err, f"saving to {root}", same=zlib.crc32(repr(named).encode()),
-          differ=f"ranks passed different steps or tags to save() (this rank: {named[1] if named else None}); "
-                 f"every rank must save the same checkpoint")
+          differ=f"ranks passed different steps or tags to save() (this rank: {mine}); every "
+                 f"rank must save the same checkpoint")
     step, name = named
     final = root / name
     made = attempt(lambda: checkpoint_io.prepare_staging(root, name)) if place.rank == 0 else None

@@ -74,7 +74,8 @@ def check_compatible(m: Manifest, local: LocalModel, where: str) -> None:
         if missing:
             raise CheckpointError(f"{where}: optimizer options of group {name!r} lack {missing}, "
                                   f"which {local.optimizer_class} defines; the checkpoint is from "
-                                  f"a different optimizer setup")
+                                  f"a different optimizer setup (or a torch release without "
+                                  f"these options)")
         check_options(g.hyperparameters, g.scalars, local.hyperparameters[name],
                       f"{where}: group {name!r}")
     saved = {p.key: p for p in m.params}
