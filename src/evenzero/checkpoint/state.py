@@ -168,12 +168,11 @@ def extra_tensors(opt: Any) -> dict[str, torch.Tensor]:
 def local_model(opt: Any, place: RankPlace) -> LocalModel:
     named = trainable_names(opt)
     params = []
-    ep_size, hyper_keys, state_keys = {}, {}, {}
+    ep_size, hyper = {}, {}
     for index, g in enumerate(opt.plan.groups):
         ep_size[g.name] = g.expert_parallel_size
-        pg, master = inner_group(opt, index, g.name)
-        hyper_keys[g.name] = frozenset(k for k in pg if k != "params")
-        state_keys[g.name] = frozenset(opt.optimizer.state.get(master, {}))
+        pg, _ = inner_group(opt, index, g.name)
+        hyper[g.name] = {k: v for k, v in pg.items() if k != "params"}
     for b in opt.plan.layouts:
         for s in b.params:
             p = named[s.name]
@@ -181,7 +180,7 @@ def local_model(opt: Any, place: RankPlace) -> LocalModel:
     extras = tuple(StoredTensor(n, tuple(t.shape), dtype_name(t.dtype))
                    for n, t in extra_tensors(opt).items())
     return LocalModel(tuple(params), ep_size, place.ep_ranks, optimizer_class(opt.optimizer),
-                      hyper_keys, state_keys, extras)
+                      frozenset(opt.optimizer.defaults), hyper, extras)
 
 
 @dataclass
