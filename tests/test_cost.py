@@ -20,7 +20,7 @@ from evenzero.cost.memory import DEEPSPEED_REDUCE_BUCKET
 from evenzero.cost.presets import PRESETS, cost_preset, default_cost_preset, load_cost_model
 from evenzero.plan import Collective, GroupInfo, Plan
 from evenzero.presets import preset
-from evenzero.strategies import plan
+from evenzero.strategies import PlanOptions, plan
 
 H100_IB = PRESETS["h100-ndr-ib"]
 A100_IB = PRESETS["a100-hdr-ib"]
@@ -177,9 +177,24 @@ def test_fit_recovers_a_known_line_and_refuses_noise():
 
 def test_gloo_preset_reproduces_its_anchor_measurements():
     m = PRESETS["gloo-local"]
-    assert m.time("reduce_scatter", 8, 2**20 * 4) == pytest.approx(8.8e-3)
+    # The runtime's reduce-scatter on gloo: all_to_all_single + sum.
+    assert m.time("reduce_scatter", 8, 2**20 * 4) == pytest.approx(3.1e-3)
+    assert m.choose("reduce_scatter", 8, 4)[0].name == "all_to_all+sum"
     assert m.time("all_reduce", 8, 2**16 * 4) == pytest.approx(1.8e-3)
-    assert 8 * m.time("reduce", 8, 2**20 * 4) == pytest.approx(19.9e-3)
+    # 8 reduces, one per root, each of 1/8 of 1M elements.
+    assert 8 * m.time("reduce", 8, 2**20 // 8 * 4) == pytest.approx(19.9e-3)
+    # Fewer peers, less latency; more peers, more.
+    assert m.time("reduce_scatter", 2, 4) < m.time("reduce_scatter", 8, 4) < m.time(
+        "reduce_scatter", 16, 4)
+
+
+def test_a_model_fitted_at_n_ranks_says_so_elsewhere():
+    m = PRESETS["gloo-local"]
+    assert m.fitted_ranks == (8,) and m.extrapolation_warning(8) is None
+    warning = m.extrapolation_warning(128)
+    assert "fitted at 8 ranks, not 128" in warning and "calibrate --world-size 128" in warning
+    # Presets from published figures carry a scaling rule, not a fit.
+    assert H100_IB.extrapolation_warning(1024) is None
 
 
 # --------------------------------------------------------------------------- predictions
@@ -188,7 +203,7 @@ def test_gloo_preset_reproduces_its_anchor_measurements():
 def test_predict_seed_case_on_one_node():
     spec = preset("seed-moe-gate-lost")
     m = PRESETS["h100-nvlink-8"]
-    ez = predict(plan(spec, 8, "evenzero"), m)
+    ez = predict(plan(spec, 8, "evenzero", PlanOptions(bucket_numel=2**25)), m)  # 1 per group
     ds = predict(plan(spec, 8, "deepspeed-0.6"), m)
     ar = predict(plan(spec, 8, "deepspeed"), m)
     assert len(ez.backward) == 2 and len(ds.backward) == 13
