@@ -247,8 +247,14 @@ def test_calibration_on_two_local_ranks_fits_what_it_measured():
     model, samples = run_local(2, sizes=(2**10, 2**18, 2**20, 2**22), repeats=7)
     assert {s.op for s in samples} == set(OPS) and all(s.group_size == 2 for s in samples)
     for op in OPS:
-        (v,) = model.op(op).variants
-        assert v.alpha_us >= 0 and v.busbw_gbs > 0
+        exact, generic = model.op(op).variants  # measured at 2 ranks; any other size
+        assert exact.group_size == 2 and generic.group_size is None
+        assert exact.alpha_us >= 0 and exact.busbw_gbs > 0
+    # What the runtime issues on gloo, and the compute the timeline needs.
+    assert model.choose("reduce_scatter", 2, 4096)[0].name == "all_to_all+sum"
+    assert model.fitted_ranks == (2,) and model.extrapolation_warning(8)
+    c = model.compute
+    assert c.tflops > 0 and c.memory_gbs > 0 and c.optimizer_bytes_per_element > 0
     errors = []
     for s in samples:
         predicted = model.time(s.op, 2, s.nbytes)
@@ -257,3 +263,13 @@ def test_calibration_on_two_local_ranks_fits_what_it_measured():
         assert abs(predicted - s.seconds) <= 2 * s.seconds + 2e-3, (s, predicted)
     # Typical points must fit well; a wrong alpha or busbw is off by far more than this.
     assert sorted(errors)[len(errors) // 2] <= 0.5, sorted(errors)
+
+
+@pytest.mark.slow
+def test_calibration_measures_expert_sized_subgroups_too():
+    from evenzero.cost.calibrate import run_local
+
+    model, samples = run_local(4, sizes=(2**10, 2**20), repeats=3)
+    assert {s.group_size for s in samples} == {2, 4}
+    for op in OPS:
+        assert model.op(op).measured_sizes() == {2, 4}
