@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from evenzero.cost.timeline import COMM, COMPUTE, Timeline
+from evenzero.planview import human_seconds
 
 COLUMNS = ("strategy", "forward", "backward", "exposed comm", "comm (hidden)", "after backward",
            "step time")
@@ -30,7 +31,7 @@ COMM_COLOURS = {"reduce_scatter": "#636363", "reduce": "#756bb1", "all_reduce": 
 
 
 def _ms(s: float) -> str:
-    return f"{s * 1e3:.3g} ms" if s < 10 else f"{s:.3g} s"
+    return human_seconds(s) if s >= 1e-3 else f"{s * 1e6:.0f} us"
 
 
 def timeline_rows(timelines: Sequence[Timeline]) -> list[tuple[str, ...]]:

@@ -176,13 +176,13 @@ def choose_bucket_numel(spec: ModelSpec, world_size: int, cost_model: CostModel,
 def _note(chosen: Candidate, entries, budget: int, cost: CostModel, profile: ComputeProfile,
           fits: bool) -> str:
     single = max(entries, key=lambda e: e[0].numel)[0]
-    versus = (f"; one bucket per group: {single.step_s * 1e3:.3g} ms"
+    versus = (f"; one bucket per group: {single.step_s * 1e3:,.2f} ms"
               if single.numel != chosen.numel else "")
     memory = (f"in-flight buffers {_mib(chosen.inflight_bytes)} of a {_mib(budget)} budget"
               if fits else f"no size fits the {_mib(budget)} budget: least memory taken, "
                            f"{_mib(chosen.inflight_bytes)}")
     return (f"bucket_numel auto: {chosen.numel:,} elements ({chosen.buckets} buckets), "
-            f"predicted step {chosen.step_s * 1e3:.3g} ms{versus}; {memory}; cost model "
+            f"predicted step {chosen.step_s * 1e3:,.2f} ms{versus}; {memory}; cost model "
             f"{cost.name}, compute: {profile.source}")
 
 

@@ -125,7 +125,8 @@ def plan_ddp(spec: ModelSpec, world_size: int, options: PlanOptions | None = Non
                 spec.arrival_order, tuple(notes), sharded=False, execution=EXECUTION)
 
 
-EXECUTION = Execution(max_in_flight=None, launch_in_order=True, copies_grads=False,
+EXECUTION = Execution(max_in_flight=None, launch_in_order=True, copies_grads=True,
                       missing_grads_hold_bucket=False)
-"""The Reducer launches buckets in index order, asynchronously and without limit; the
-gradients are the bucket views (`gradient_as_bucket_view`); unused params count as ready."""
+"""The Reducer launches buckets in index order, asynchronously and without limit; with
+the default `gradient_as_bucket_view=False` it copies each gradient into its bucket;
+unused params count as ready."""
