@@ -122,3 +122,10 @@ def test_default_plans_of_the_presets():
     # The seed case on the CPU preset: more than one bucket, so reductions overlap.
     seed = plan(preset("seed-moe"), 8, "evenzero", PlanOptions(cost_model=PRESETS["gloo-local"]))
     assert len(seed.buckets) > 2
+
+
+def test_a_cost_model_without_compute_still_plans():
+    # A calibration saved before compute was measured: FLOPs on the H100's figures.
+    bare = CostModel("bare", "", *([OpCost((Variant("x", 10.0, 10.0),))] * 4))
+    p = plan_evenzero(layers(), 8, PlanOptions(cost_model=bare))
+    assert "cost model bare" in p.notes[-1] and p.notes[-1].endswith("on h100")

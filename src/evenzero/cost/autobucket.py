@@ -35,8 +35,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from evenzero.cost import CostModel
-from evenzero.cost.compute import ComputeProfile, estimate_profile, profile_from_times
-from evenzero.cost.timeline import Timeline, device_for, simulate
+from evenzero.cost.compute import (
+    ComputeProfile,
+    DeviceCompute,
+    estimate_profile,
+    profile_from_times,
+)
+from evenzero.cost.timeline import Timeline, simulate
 from evenzero.plan import Plan
 from evenzero.spec import DTYPE_BYTES, ModelSpec
 
@@ -114,14 +119,22 @@ def candidate_sizes(spec: ModelSpec) -> list[int]:
     return sorted({*sizes, max(1, largest)})
 
 
-def as_profile(spec: ModelSpec, cost: CostModel,
+def device_or_default(cost: CostModel) -> DeviceCompute:
+    """The cost model's compute figures; a model without them (a calibration saved before
+    they were measured) gets the H100's, and the choice's note names them."""
+    from evenzero.cost.presets import H100
+
+    return cost.compute or H100
+
+
+def as_profile(spec: ModelSpec, device: DeviceCompute,
                compute: ComputeProfile | Mapping[str, float] | None) -> ComputeProfile:
     """Measured times as they came, `{param: seconds}` in the spec's order, or FLOPs."""
     if isinstance(compute, ComputeProfile):
         return compute
     if compute is not None:
         return profile_from_times(spec, compute)
-    return estimate_profile(spec, device_for(cost))
+    return estimate_profile(spec, device)
 
 
 def choose_bucket_numel(spec: ModelSpec, world_size: int, cost_model: CostModel,
@@ -147,7 +160,8 @@ def choose_bucket_numel(spec: ModelSpec, world_size: int, cost_model: CostModel,
     from evenzero.strategies.evenzero import plan_fixed
 
     options = options or PlanOptions()
-    profile = as_profile(spec, cost_model, compute)
+    device = device_or_default(cost_model)
+    profile = as_profile(spec, device, compute)
     budget = memory_budget or default_memory_budget(spec, options.reduce_dtype)
     tried: dict[tuple, tuple[Candidate, Plan, Timeline]] = {}
     for numel in candidate_sizes(spec):
@@ -156,7 +170,7 @@ def choose_bucket_numel(spec: ModelSpec, world_size: int, cost_model: CostModel,
         key = tuple((b.group, b.numel) for b in plan.buckets)
         if key in tried:
             continue
-        timeline = simulate(plan, cost_model, profile)
+        timeline = simulate(plan, cost_model, profile, device=device)
         held = inflight_bytes(plan, max_in_flight)
         tried[key] = (Candidate(numel, len(plan.buckets), timeline.total_s, held, held <= budget),
                       plan, timeline)
