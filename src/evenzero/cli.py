@@ -122,7 +122,8 @@ def bucket_numel_arg(text: str) -> int | str:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of elements or auto, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a number of elements or auto, got {text!r}") from None
 
 
 def _png(flag: str, value: str | None) -> Path | None:
@@ -189,7 +190,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if timelines is not None:
         from evenzero.timelineview import markdown_timeline, print_timeline
 
-        notes = [f"compute: {timelines[0].compute_source}"] + ([f"warning: {warning}"] if warning else [])
+        notes = [f"compute: {timelines[0].compute_source}"]
+        notes += [f"warning: {warning}"] if warning else []
         ttitle = f"step timeline: {title}"
         if args.markdown:
             sys.stdout.write("\n" + markdown_timeline(ttitle, timelines, notes))

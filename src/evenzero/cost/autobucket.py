@@ -99,7 +99,8 @@ def gradient_bytes(spec: ModelSpec, reduce_dtype: str | None = None) -> int:
 
 def default_memory_budget(spec: ModelSpec, reduce_dtype: str | None = None) -> int:
     """Bytes the in-flight bucket buffers may take by default (module docstring)."""
-    return int(min(BUDGET_CAP, max(BUDGET_FLOOR, BUDGET_FRACTION * gradient_bytes(spec, reduce_dtype))))
+    share = BUDGET_FRACTION * gradient_bytes(spec, reduce_dtype)
+    return int(min(BUDGET_CAP, max(BUDGET_FLOOR, share)))
 
 
 def inflight_bytes(plan: Plan, max_in_flight: int) -> int:

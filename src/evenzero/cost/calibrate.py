@@ -44,8 +44,9 @@ DEFAULT_SIZES = (2**10, 2**14, 2**16, 2**18, 2**20, 2**22)
 """Full-buffer sizes in elements: from latency-bound to bandwidth-bound on gloo."""
 ALL_TO_ALL_SUM = "all_to_all+sum"
 """The reduce-scatter evenzero's runtime runs on gloo (`runtime.collectives`)."""
-MATMUL_SHAPE = (128, 1024, 1024)
-"""(tokens, in, out) of the timed matmul: a mid-sized layer at a small micro-batch."""
+MATMUL_SHAPE = {"cpu": ((64, 1024, 1024), torch.float32), "cuda": ((8192, 4096, 4096), torch.bfloat16)}
+"""(tokens, in, out) and dtype of the timed matmul per device: on CPU a layer at the tens
+of tokens per rank CPU runs train with; on GPUs a large bf16 layer, as they train."""
 COPY_NUMEL = 2**23
 """Elements copied to time memory bandwidth (32 MiB of fp32, beyond the caches)."""
 OPTIMIZER_NUMEL = 2**22
@@ -204,11 +205,10 @@ def _rate(work: Callable[[], None], device, seconds: float = 0.2) -> float:
             return calls / elapsed
 
 
-def measure_compute(device: torch.device | None = None, dtype: torch.dtype = torch.float32,
-                    name: str = "measured") -> DeviceCompute:
+def measure_compute(device: torch.device | None = None, name: str = "measured") -> DeviceCompute:
     """One rank's compute while every rank of the world computes the same (collective)."""
     device = device or _device(None)
-    t, k, m = MATMUL_SHAPE
+    (t, k, m), dtype = MATMUL_SHAPE["cuda" if device.type == "cuda" else "cpu"]
     a = torch.randn(t, k, device=device, dtype=dtype)
     b = torch.randn(k, m, device=device, dtype=dtype)
     src = torch.randn(COPY_NUMEL, device=device)
@@ -257,6 +257,7 @@ def fit_model(samples: Sequence[Sample], name: str = "measured", description: st
     latency follows a line through the measured ones (flat if one size was measured).
     The world is the largest group size."""
     world = max(s.group_size for s in samples)
+    measured = ", ".join(str(n) for n in sorted({s.group_size for s in samples}))
     variants = {}
     for op in OPS:
         mine = [s for s in samples if s.op == op]
@@ -274,7 +275,7 @@ def fit_model(samples: Sequence[Sample], name: str = "measured", description: st
                      reference_ranks=world, gpus_per_node=world, compute=compute,
                      fitted_ranks=(world,),
                      sources="evenzero calibrate: least-squares fit of t = alpha + f*S/busbw "
-                             f"per op and group size ({', '.join(map(str, sorted({s.group_size for s in samples})))})",
+                             f"per op and group size ({measured} ranks)",
                      **variants)
 
 

@@ -58,7 +58,7 @@ def _nvlink_node(name: str, gpu: str, ar_ring: float, ar_nvls: float | None, rs:
     ring = "ring"
     all_reduce = [Variant("ring", 15.0, ar_ring, scaling=ring)]
     if ar_nvls is not None:
-        # NVLS (NVLink SHARP) latency 25 us: NCCL's model constant (tuning.cc, §2).
+        # NVLS (NVLink SHARP) latency 25 us: NCCL's model constant (tuning.cc L149-175).
         all_reduce.append(Variant("nvls", 25.0, ar_nvls))
     return CostModel(
         name=name, description=f"8x {gpu} in one NVLink/NVSwitch node",
@@ -73,7 +73,8 @@ def _nvlink_node(name: str, gpu: str, ar_ring: float, ar_nvls: float | None, rs:
 def _ib_cluster(name: str, gpu: str, busbw: float, sources: str) -> CostModel:
     return CostModel(
         name=name, description=f"{gpu} nodes, 8 GPUs + 8 NICs each, rail-optimised InfiniBand",
-        # The scans of §5.2 put all-reduce at alpha ~0.33-0.39 ms on 128 GPUs and only
+        # Alpha-beta fits of the published all-reduce scans (arXiv 2411.13055; NVIDIA
+        # GTC24 S62129, NVLSTree) put alpha at ~0.33-0.39 ms on 128 GPUs and only
         # ~0.66-0.68 ms on 1024: NCCL leaves the ring for (NVLS)trees at scale. The
         # "tree" variant is that fit, anchored at 400 us on 128 ranks with log2(nodes)
         # growth (it gives 617 us at 1024); "tree-small" is NCCL's tree/LL for <= 64 KiB.
@@ -132,7 +133,8 @@ PRESETS: dict[str, CostModel] = {
         _nvlink_node(
             "h100-nvlink-8", "H100/H200", ar_ring=365.0, ar_nvls=470.0, rs=360.0,
             sources="busbw: 8xH200 nccl-tests RS 362.9, AG 361.4, AR ring 367, NVLS 473-482 "
-                    "(ml-engineering); ring 370 (nccl-tests#212). alpha: NCCL model ring/LL "
+                    "(stas00/ml-engineering network/README.md); ring 370 (nccl-tests#212). "
+                    "alpha: NCCL model ring/LL "
                     "AR 15.0 us, RS/AG 10.8 us (tuning.cc). reduce busbw assumed = ring"),
         _nvlink_node(
             "a100-nvlink-8", "A100", ar_ring=230.0, ar_nvls=None, rs=230.0,
@@ -142,11 +144,12 @@ PRESETS: dict[str, CostModel] = {
             "h100-ndr-ib", "H100 + 8x NDR 400 Gb/s", 330.0,
             sources="busbw: 380 peak DGX H100 (GTC24), plateau 340-360 (arXiv 2411.13055); "
                     "alpha: alpha-beta fit at 128 GPUs ~0.33-0.39 ms (AR), RS/AG/reduce ~half "
-                    "(127 ring steps); tree 55 us from NCCL's model; scaled per §5.3"),
+                    "(127 ring steps); tree 55 us from NCCL's model; scaled per NCCL's ring/tree latency "
+                    "model (tuning.cc L384-436)"),
         _ib_cluster(
             "a100-hdr-ib", "A100 + 8x HDR 200 Gb/s", 180.0,
             sources="busbw: 192 DGX A100 8x200Gb IB (nccl#812, GTC24), 8 ch x 24 GB/s in "
-                    "NCCL's model; alpha as h100-ndr-ib (same ring step counts); scaled per §5.3"),
+                    "NCCL's model (search.cc L1052-1064); alpha as h100-ndr-ib (same ring step counts)"),
         _gloo_local(),
     )
 }

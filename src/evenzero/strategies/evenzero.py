@@ -28,6 +28,7 @@ from evenzero.strategies.common import (
     message_itemsize,
 )
 
+
 def cut_buckets(names: list[str], numel: dict[str, int], limit: int) -> list[list[str]]:
     """Greedy contiguous cut: a param never straddles buckets; an oversized one is alone."""
     out: list[list[str]] = []
