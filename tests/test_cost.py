@@ -269,7 +269,7 @@ def test_calibration_on_two_local_ranks_fits_what_it_measured():
 def test_calibration_measures_expert_sized_subgroups_too():
     from evenzero.cost.calibrate import run_local
 
-    model, samples = run_local(4, sizes=(2**10, 2**20), repeats=3)
+    model, samples = run_local(4, sizes=(2**10, 2**16, 2**22), repeats=3)
     assert {s.group_size for s in samples} == {2, 4}
     for op in OPS:
         assert model.op(op).measured_sizes() == {2, 4}

@@ -112,6 +112,12 @@ def test_fit_model_across_group_sizes():
     assert v.group_size is None and m.alpha_us(v, 16) == pytest.approx(1800, rel=1e-6)
     assert m.choose("reduce_scatter", 2, 4)[0].name == "all_to_all+sum"
     assert m.extrapolation_warning(16) and m.extrapolation_warning(8) is None
+    # Timings that do not grow with size at one group size: that size falls back to the line.
+    noisy = [s if s.group_size != 4 else Sample(s.op, 4, s.nbytes, 1e-3) for s in samples]
+    fallback = fit_model(noisy, "noisy")
+    assert fallback.op("reduce").measured_sizes() == {2, 8}
+    with pytest.raises(CostModelError, match="did not grow"):
+        fit_model([Sample(op, 2, s, 1e-3) for op in OPS for s in (4096, 2**20)])
 
 
 def test_spec_compute_fields_round_trip_and_validate():

@@ -255,7 +255,8 @@ def fit_model(samples: Sequence[Sample], name: str = "measured", description: st
               compute: DeviceCompute | None = None, rs_variant: str = "measured") -> CostModel:
     """Per op: one variant per measured group size, and one for any other size whose
     latency follows a line through the measured ones (flat if one size was measured).
-    The world is the largest group size."""
+    The world is the largest group size. A size whose timings did not grow with the
+    message (noise) gets no variant of its own; if none did, the fit is refused."""
     world = max(s.group_size for s in samples)
     measured = ", ".join(str(n) for n in sorted({s.group_size for s in samples}))
     variants = {}
@@ -264,9 +265,16 @@ def fit_model(samples: Sequence[Sample], name: str = "measured", description: st
         if not mine:
             raise CostModelError(f"no samples for {op}; calibrate every op")
         label = rs_variant if op == "reduce_scatter" else "measured"
-        sizes = sorted({s.group_size for s in mine})
-        exact = [Variant(label, v.alpha_us, v.busbw_gbs, group_size=n)
-                 for n in sizes for v in [fit_op([s for s in mine if s.group_size == n])]]
+        exact, failed = [], None
+        for n in sorted({s.group_size for s in mine}):
+            try:
+                v = fit_op([s for s in mine if s.group_size == n])
+            except CostModelError as e:  # noise at one size: the line through the others prices it
+                failed = e
+                continue
+            exact.append(Variant(label, v.alpha_us, v.busbw_gbs, group_size=n))
+        if not exact:
+            raise failed
         anchor = exact[-1]
         variants[op] = OpCost((*exact, Variant(
             label, anchor.alpha_us, anchor.busbw_gbs, scaling="linear",
