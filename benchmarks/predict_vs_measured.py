@@ -43,7 +43,7 @@ from evenzero.repro.localrun import LaunchOptions, launch
 
 DEFAULT_CASES = ("seed:8", "gpt:2", "gpt:4", "gpt:8")
 CALIBRATION = {"full": ((2**10, 2**14, 2**16, 2**18, 2**20, 2**22), 5),
-               "tiny": ((2**10, 2**14, 2**18), 2)}
+               "tiny": ((2**10, 2**16, 2**20), 3)}
 """(sizes, repeats) of the collective sweep per scale."""
 PROFILE_BACKWARDS = 3
 """Backwards timed for the measured compute profile (median per parameter)."""
