@@ -220,6 +220,40 @@ class GroupInfo:
 
 
 @dataclass(frozen=True)
+class Execution:
+    """How a strategy's runtime issues the backward collectives against compute.
+
+    The plan says *what* is communicated; this says *when*, which is what decides how
+    much communication hides behind backward (`evenzero.cost.timeline` simulates it).
+    The defaults are evenzero's runtime (`ZeroConfig` defaults)."""
+
+    max_in_flight: int | None = 2
+    """Buckets whose reductions may be outstanding while backward compute goes on. When
+    a bucket is ready and this many are outstanding, compute waits for the oldest. 0:
+    each bucket's reduction blocks compute (DeepSpeed ZeRO-2 without `overlap_comm`);
+    None: no limit (DDP, Megatron: asynchronous calls queue on one stream)."""
+    launch_in_order: bool = True
+    """True: a complete bucket waits until every bucket before it in plan order has been
+    launched (evenzero's reducer, DDP's Reducer). False: each launches when complete."""
+    copies_grads: bool = True
+    """True: gradients are copied into a communication buffer when the bucket launches
+    (evenzero stage 2, DeepSpeed's IPG buffer, FSDP2's `_chunk_cat`); False: they are
+    accumulated in place in the buffer (DDP bucket views, Megatron's grad buffer)."""
+    missing_grads_hold_bucket: bool = True
+    """True: a bucket holding a parameter that produces no gradient is reduced only by
+    the end-of-backward flush. False: such parameters do not hold it back (DDP's
+    find_unused_parameters marks them ready; FSDP2 reduces the gradients it has)."""
+    gather_in_forward: bool = False
+    """True: the step's all-gathers run in the next forward, each before the compute
+    that needs it (FSDP2). False: the step waits for them."""
+
+    def __post_init__(self) -> None:
+        m = self.max_in_flight
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise PlanError(f"max_in_flight must be None or a non-negative integer, got {m!r}")
+
+
+@dataclass(frozen=True)
 class Plan:
     """A strategy's complete plan for one model on one world size."""
 
@@ -237,6 +271,8 @@ class Plan:
     """Human-readable remarks (fallbacks taken, knobs used)."""
     sharded: bool = True
     """False for strategies that keep full optimizer state on every rank (DDP)."""
+    execution: Execution = Execution()
+    """When the collectives are issued against compute (for timeline predictions)."""
 
     def group(self, name: str) -> GroupInfo:
         for g in self.groups:

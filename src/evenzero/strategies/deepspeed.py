@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from evenzero.plan import BACKWARD, STEP, Collective, Plan
+from evenzero.plan import BACKWARD, STEP, Collective, Execution, Plan
 from evenzero.spec import ModelSpec
 from evenzero.strategies.common import (
     PlanOptions,
@@ -140,14 +140,20 @@ def plan_with(strategy: str, dispatch: Dispatch, spec: ModelSpec, world_size: in
               options: PlanOptions) -> Plan:
     check_has_params(spec)
     infos = group_infos(spec, world_size)
-    limit = options.bucket_numel or DEFAULT_REDUCE_BUCKET_SIZE
+    limit = options.fixed_bucket_numel or DEFAULT_REDUCE_BUCKET_SIZE
     zero = partition_zero(spec, infos, world_size, limit, options.round_robin)
     backward = dispatch(spec, zero, limit, options)
     norms = [Collective(STEP, "all_reduce", "world", world_size, None, None, 0, 1, itemsize=4)
              for _ in range(NORM_ALL_REDUCES)]
     step = norms + all_gathers(spec, infos, list(zero.layouts))
     return Plan(strategy, world_size, infos, zero.buckets, zero.layouts,
-                tuple(backward + step), spec.arrival_order, tuple(notes(spec, zero, limit, options)))
+                tuple(backward + step), spec.arrival_order, tuple(notes(spec, zero, limit, options)),
+                execution=EXECUTION)
+
+
+EXECUTION = Execution(max_in_flight=0, launch_in_order=True, copies_grads=True)
+"""ZeRO-2's default `overlap_comm=False` (zero/config.py, v0.19.8): a flushed IPG bucket is
+reduced on the compute stream, so backward waits for every flush's collectives."""
 
 
 def notes(spec: ModelSpec, zero: ZeroPartitioning, limit: int, options: PlanOptions) -> list[str]:
