@@ -117,7 +117,24 @@ class ModelSpec:
         raise KeyError(name)
 
     def group_params(self, name: str) -> tuple[ParamSpec, ...]:
-        return tuple(p for p in self.params if p.group == name)
+        return self._by_group.get(name, ())
+
+    def group_dtypes(self, name: str) -> tuple[str, ...]:
+        """The distinct parameter dtypes of group `name`, sorted."""
+        return self._dtypes_by_group.get(name, ())
+
+    @cached_property
+    def _dtypes_by_group(self) -> dict[str, tuple[str, ...]]:
+        return {g: tuple(sorted({p.dtype for p in ps})) for g, ps in self._by_group.items()}
+
+    @cached_property
+    def _by_group(self) -> dict[str, tuple[ParamSpec, ...]]:
+        # Planners ask once per collective (its message dtype); a scan of every param each
+        # time made DeepSpeed's plan O(ranks x params).
+        out: dict[str, list[ParamSpec]] = {}
+        for p in self.params:
+            out.setdefault(p.group, []).append(p)
+        return {g: tuple(ps) for g, ps in out.items()}
 
     def param(self, name: str) -> ParamSpec:
         return self._by_name[name]

@@ -54,11 +54,11 @@ def group_infos(spec: ModelSpec, world_size: int) -> tuple[GroupInfo, ...]:
 
 
 def group_dtype(spec: ModelSpec, group: str) -> str:
-    dtypes = {p.dtype for p in spec.group_params(group)}
+    dtypes = spec.group_dtypes(group)
     if len(dtypes) > 1:
-        raise PlanError(f"group {group!r} mixes parameter dtypes {sorted(dtypes)}; "
+        raise PlanError(f"group {group!r} mixes parameter dtypes {list(dtypes)}; "
                         f"put each dtype in its own group")
-    return dtypes.pop()
+    return dtypes[0]
 
 
 def message_itemsize(spec: ModelSpec, group: str, options: PlanOptions) -> int:
