@@ -219,7 +219,7 @@ def from_json(data: Mapping[str, Any] | str | Path, name: str | None = None) -> 
         if not isinstance(pname, str) or not pname:
             raise SpecError(f"{where}.name: expected a non-empty string, got {brief(pname)}")
         _check_name(f"{where}.name", pname)
-        where = f"params[{i}] ({brief(pname)})"
+        where = f"params[{i}] ({pname if len(pname) <= 60 else pname[:57] + '...'})"
         bad = set(rp) - {"name", "shape", "group", "dtype"}
         if bad:
             raise SpecError(f"{where}: unknown key(s) {brief(sorted(bad))}; expected name, "

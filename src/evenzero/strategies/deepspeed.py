@@ -35,9 +35,11 @@ from itertools import groupby
 from evenzero.plan import BACKWARD, STEP, Bucket, Collective, Plan, PlanError
 from evenzero.spec import ModelSpec
 from evenzero.strategies.common import (
+    MAX_WORLD_SIZE,
     PlanOptions,
     all_gathers,
     check_has_params,
+    check_world_size,
     group_infos,
     message_itemsize,
 )
@@ -134,6 +136,7 @@ def reduce_per_destination(spec: ModelSpec, zero: ZeroPartitioning, limit: int,
 def plan_with(strategy: str, dispatch: Dispatch, spec: ModelSpec, world_size: int,
               options: PlanOptions) -> Plan:
     check_has_params(spec)
+    check_world_size(world_size, MAX_WORLD_SIZE)  # one call per rank piece: bounded memory
     infos = group_infos(spec, world_size)
     limit = options.bucket_numel or DEFAULT_REDUCE_BUCKET_SIZE
     zero = partition_zero(spec, infos, world_size, limit, options.round_robin)
