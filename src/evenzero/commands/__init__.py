@@ -38,12 +38,12 @@ def int_in(low: int, high: int | None = None, why: str = "") -> type:
     def parse(text: str) -> int:
         digits = text.strip().lstrip("+-").replace("_", "")
         if len(digits) > MAX_DIGITS:
-            raise argparse.ArgumentTypeError(f"{text[:12]}... is not an integer of at most "
+            raise argparse.ArgumentTypeError(f"{_cut(text)} is not an integer of at most "
                                              f"{MAX_DIGITS} digits")
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+            raise argparse.ArgumentTypeError(f"{_cut(text)} is not an integer") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"{value} is below the minimum of {low}")
         if high is not None and value > high:
@@ -62,9 +62,9 @@ def finite_float(low: float, *, inclusive: bool = True) -> type:
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+            raise argparse.ArgumentTypeError(f"{_cut(text)} is not a number") from None
         if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+            raise argparse.ArgumentTypeError(f"{_cut(text)} is not a finite number")
         if value < low or (value == low and not inclusive):
             raise argparse.ArgumentTypeError(
                 f"{value:g} must be {'at least' if inclusive else 'greater than'} {low:g}")
@@ -72,6 +72,10 @@ def finite_float(low: float, *, inclusive: bool = True) -> type:
 
     parse.__name__ = "number"
     return parse
+
+
+def _cut(text: str) -> str:
+    return repr(text) if len(text) <= 24 else repr(text[:20]) + "..."
 
 
 def output_path(flag: str, path: str | Path, default_suffix: str = "") -> Path:
@@ -82,13 +86,15 @@ def output_path(flag: str, path: str | Path, default_suffix: str = "") -> Path:
     create it. With `default_suffix`, a name without one gets it: the path returned is the
     path that will be written, so it is also the one to report.
     """
-    path = Path(path)
-    if str(path) in ("", "."):
+    given = Path(path)
+    if not given.name or str(path) in ("", "."):
         raise UsageError(f"{flag}: expected a file name, got {str(path)!r}")
-    if default_suffix and not path.suffix:
-        path = path.with_name(path.name + default_suffix)
-    parent = path.parent
     try:
+        if given.is_dir():  # before the suffix: `--plot out/` means a directory
+            raise UsageError(f"{flag} {given}: is a directory; give a file name inside it")
+        path = (given.with_name(given.name + default_suffix)
+                if default_suffix and not given.suffix else given)
+        parent = path.parent
         if path.is_dir():
             raise UsageError(f"{flag} {path}: is a directory; give a file name inside it")
         if not parent.exists():
@@ -96,8 +102,9 @@ def output_path(flag: str, path: str | Path, default_suffix: str = "") -> Path:
                              f"first (mkdir -p {parent})")
         if not parent.is_dir():
             raise UsageError(f"{flag} {path}: {parent} is not a directory")
-        if path.exists() and not stat.S_ISREG(path.stat().st_mode):
-            raise UsageError(f"{flag} {path}: exists and is not a regular file")
+        for candidate in {given, path}:
+            if candidate.exists() and not stat.S_ISREG(candidate.stat().st_mode):
+                raise UsageError(f"{flag} {candidate}: exists and is not a regular file")
     except OSError as e:  # a symlink loop, a name too long, ...
         raise UsageError(f"{flag} {path}: {e.strerror or type(e).__name__}") from None
     if not os.access(parent, os.W_OK):

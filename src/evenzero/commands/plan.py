@@ -116,7 +116,7 @@ def load_model(name_or_path: str) -> ModelSpec:
     """A preset by name, else a JSON model file."""
     if name_or_path in PRESETS:
         return preset(name_or_path)
-    if name_or_path.endswith(".json") or Path(name_or_path).exists():
+    if name_or_path and (name_or_path.endswith(".json") or Path(name_or_path).exists()):
         return from_json(name_or_path)
     return preset(name_or_path)  # raises: unknown preset, names the choices
 
