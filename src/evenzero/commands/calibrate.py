@@ -14,9 +14,8 @@ import os
 
 from evenzero.commands import CommandError, UsageError, int_in, output_path, write_failed
 from evenzero.cost import CostModel
+from evenzero.repro.localrun import MAX_LOCAL_RANKS
 
-MAX_LOCAL_RANKS = 64
-"""Most local ranks spawned: each is a process with its own torch (~300 MB)."""
 MAX_SIZE = 2**28
 """Largest message swept, in fp32 elements (1 GiB per buffer per rank)."""
 MAX_REPEATS = 1000
