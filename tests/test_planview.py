@@ -77,10 +77,23 @@ def test_cli_table_follows_columns(capsys, monkeypatch):
     assert all(c.header in out for c in COLUMNS), out
 
 
-def test_plot_of_a_plan_with_many_calls_draws_lines(tmp_path):
-    # deepspeed-0.6 on llama-7b over 4096 ranks issues thousands of reduces: bars would take
-    # minutes and GBs, one line collection takes a moment.
+def test_plot_of_a_plan_with_many_calls_draws_lines(tmp_path, monkeypatch):
+    # deepspeed-0.6 on llama-7b over 4096 ranks issues thousands of reduces. A bar patch
+    # per call took 69 s and 1.5 GB at 131,072 ranks; one line collection takes seconds.
+    from matplotlib.axes import Axes
+
+    drawn: dict[str, list[int]] = {"bar": [], "vlines": []}
+    for name in drawn:
+        original = getattr(Axes, name)
+
+        def counting(self, x, *args, _original=original, _name=name, **kwargs):
+            drawn[_name].append(len(x))
+            return _original(self, x, *args, **kwargs)
+
+        monkeypatch.setattr(Axes, name, counting)
     many = results("llama-7b", 4096, ("deepspeed-0.6", "evenzero"))
     assert many[0][1].backward_calls > MAX_BARS
     out = plot_schedules(many, tmp_path / "many.png", "many")
     assert out.read_bytes()[:4] == b"\x89PNG"
+    assert drawn["vlines"] == [many[0][1].backward_calls]
+    assert drawn["bar"] == [many[1][1].backward_calls]
