@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 
 from evenzero.commands import CommandError, UsageError, int_in, output_path, write_failed
@@ -53,6 +54,9 @@ def main(args: argparse.Namespace) -> int:
     else:
         if args.world_size is None:
             raise UsageError("evenzero calibrate: --world-size W is required outside torchrun")
+        # torch logs "Terminating process ..." for the ranks it stops after one failed;
+        # the failure itself is reported below, in one line.
+        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
         try:
             result = calibrate.run_local(args.world_size, sizes, args.repeats)
         except calibrate.CalibrationError as e:
