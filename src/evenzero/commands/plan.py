@@ -159,7 +159,10 @@ def bucket_numel_arg(text: str) -> int | str:
     """--bucket-numel: a number of elements or "auto"."""
     if text == "auto":
         return text
-    return int_in(1, MAX_NUMEL, "2**63 - 1, torch's numel")(text)
+    try:
+        return int_in(1, MAX_NUMEL, "2**63 - 1, torch's numel")(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e}; expected a number of elements or auto") from None
 
 
 def _plot_path(flag: str, raw: str) -> Path:
