@@ -174,6 +174,8 @@ class Resume:
     tag: str | None = None
     tag_on_rank: int | None = None
     """Use `tag` only on this rank (the others read `latest`)."""
+    torch_scheduler: bool = False
+    """A torch StepLR instead of DeepSpeed's WarmupDecayLR (keeps other state)."""
 
 
 def build_evenzero(run: Run, resume: Resume):
@@ -195,7 +197,8 @@ def build_evenzero(run: Run, resume: Resume):
                                  weight_decay=0.05, stage=resume.stage, bucket_numel=40,
                                  **kwargs)
     params = deepspeed_config(run, 1)["scheduler"]["params"]
-    scheduler = WarmupDecayLR(opt, **params)
+    scheduler = (torch.optim.lr_scheduler.StepLR(opt.optimizer, 1) if resume.torch_scheduler
+                 else WarmupDecayLR(opt, **params))
     return model, opt, scheduler
 
 
@@ -285,14 +288,14 @@ def damaged_loads(rank: int, world: int, run: Run, cases: dict[str, tuple[str, d
         resume = replace(Resume(gas=2), **overrides)
         model, opt, scheduler = build_evenzero(run, resume)
         before = snapshot(opt)
-        lbi = scheduler.last_batch_iteration
+        lbi = scheduler.state_dict()
         tag = resume.tag if resume.tag_on_rank in (None, rank) else None
         try:
             load_deepspeed(opt, ckpt, tag, lr_scheduler=scheduler)
             out[name] = None
         except CheckpointError as e:
             out[name] = str(e)
-            if not same_state(before, snapshot(opt)) or scheduler.last_batch_iteration != lbi:
+            if not same_state(before, snapshot(opt)) or scheduler.state_dict() != lbi:
                 out[name] = "STATE CHANGED: " + str(e)
         dist.barrier()
     return out

@@ -7,6 +7,7 @@
     evenzero calibrate --world-size W [--sizes N ...] [--repeats R] [--json FILE]
     evenzero repro ...    (evenzero.repro)
     evenzero bench ...    (evenzero.repro.bench)
+    evenzero convert-deepspeed DS_DIR OUT_DIR [--tag TAG]   (evenzero.checkpoint.deepspeed_convert)
 
 `plan` never imports torch: it is pure planning. Bad input ends in one line on stderr
 that names the problem, and exit status 2.
@@ -34,6 +35,8 @@ from evenzero.strategies import STRATEGY_NAMES, PlanOptions, plan, strategy_name
 LAZY_COMMANDS = {
     "repro": ("evenzero.repro", "run the seed case side by side: evenzero, DeepSpeed, DDP"),
     "bench": ("evenzero.repro.bench", "run the benchmarks"),
+    "convert-deepspeed": ("evenzero.checkpoint.deepspeed_convert",
+                          "write an evenzero checkpoint from a DeepSpeed ZeRO-1/2 one"),
 }
 """Subcommands whose module (and torch) is imported only when they run."""
 
