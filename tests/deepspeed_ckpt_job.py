@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-DIM = 8
+DIM = 7
 GLOBAL_BATCH = 12
 LR = 1e-2
 CLIP = 0.05
@@ -59,6 +59,23 @@ class TiedNet(nn.Module):
         return self.head(h)
 
 
+class MoENet(nn.Module):
+    """A DeepSpeed MoE layer (2 experts over 2 ranks) between two dense layers."""
+
+    def __init__(self, dim: int = DIM) -> None:
+        from deepspeed.moe.layer import MoE
+
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.moe = MoE(dim, nn.Linear(dim, dim), num_experts=2, ep_size=2, k=1, min_capacity=0,
+                       drop_tokens=False, use_rts=False)
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _, _ = self.moe(torch.tanh(self.inp(x)))
+        return self.head(h)
+
+
 @dataclass(frozen=True)
 class Run:
     """One DeepSpeed run, and how evenzero resumes it."""
@@ -71,10 +88,22 @@ class Run:
     zero_extra: dict = field(default_factory=dict)
     steps: int = 4
     """Steps after the save that both sides train and compare."""
+    moe: bool = False
+    """Train `MoENet` (DeepSpeed's MoE layer) instead of `TiedNet`."""
+    decay_groups: bool = False
+    """Two optimizer groups: matrices with weight decay, vectors without."""
+    exclude_frozen: bool = False
+    """Save with `exclude_frozen_parameters=True` (frozen weights only in the fragments)."""
 
     def dtype(self) -> torch.dtype:
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[
             self.precision]
+
+
+def decay_groups(model: nn.Module) -> list[dict[str, Any]]:
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in trained if p.dim() == 2], "weight_decay": 0.05},
+            {"params": [p for p in trained if p.dim() != 2], "weight_decay": 0.0}]
 
 
 def deepspeed_config(run: Run, world: int) -> dict[str, Any]:
@@ -127,22 +156,25 @@ def train_deepspeed(rank: int, world: int, run: Run, out: str) -> dict[str, Any]
     import logging
 
     _deepspeed_env(rank, world)
+    import importlib
+
     import deepspeed
-    import deepspeed.comm.torch as deepspeed_comm
     from deepspeed.utils import logger
 
     logger.setLevel(logging.ERROR)
     # The shared-memory all-reduce kernel is a C++ build of about a minute on a cold
-    # cache; gloo does the same reductions.
-    deepspeed_comm.build_shm_op = lambda: None
+    # cache; gloo does the same reductions. (`import deepspeed.comm.torch as m` would
+    # bind torch itself: deepspeed.comm has an attribute named torch.)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     if run.precision == "fp16":
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
         CPU_Accelerator.is_fp16_supported = lambda self: True
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     torch.manual_seed(0)
-    model = TiedNet()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+    model = MoENet() if run.moe else TiedNet()
+    parameters = decay_groups(model) if run.decay_groups else model.parameters()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters,
                                       config=deepspeed_config(run, world))
     gas = engine.gradient_accumulation_steps()
 
@@ -157,7 +189,8 @@ def train_deepspeed(rank: int, world: int, run: Run, out: str) -> dict[str, Any]
         return _mean_over_ranks(total)
 
     before = [step(s) for s in range(SAVED_AT)]
-    engine.save_checkpoint(out, client_state={"epoch": 7, "note": "from deepspeed"})
+    engine.save_checkpoint(out, client_state={"epoch": 7, "note": "from deepspeed"},
+                           exclude_frozen_parameters=run.exclude_frozen)
     after = [step(s) for s in range(SAVED_AT, SAVED_AT + run.steps)]
     return {"before": before, "after": after, "lr": engine.get_lr()}
 
@@ -193,7 +226,8 @@ def build_evenzero(run: Run, resume: Resume):
         kwargs = {"loss_scale": "dynamic",
                   "loss_scale_config": LossScaleConfig(growth_interval=100, min_scale=1.0)}
     # lr and betas deliberately differ from the run's: they must come from the checkpoint.
-    opt = evenzero.ZeroOptimizer(model, resume.optimizer_class, lr=0.5, betas=(0.5, 0.5),
+    groups = decay_groups(model) if run.decay_groups else None
+    opt = evenzero.ZeroOptimizer(model, resume.optimizer_class, groups, lr=0.5, betas=(0.5, 0.5),
                                  weight_decay=0.05, stage=resume.stage, bucket_numel=40,
                                  **kwargs)
     params = deepspeed_config(run, 1)["scheduler"]["params"]
@@ -304,3 +338,45 @@ def damaged_loads(rank: int, world: int, run: Run, cases: dict[str, tuple[str, d
 def write_marker_if_unpickled(path: str) -> None:
     """Target of the crafted pickle: proof that code from the file ran."""
     Path(path).write_text("code from the checkpoint ran")
+
+
+def partial_loads(rank: int, world: int, run: Run, ckpt: str) -> dict[str, Any]:
+    """`load_optimizer_states=False` and `load_module_only=True`, as DeepSpeed does them."""
+    from evenzero.checkpoint import load_deepspeed
+    from evenzero.checkpoint.deepspeed_files import read_deepspeed
+
+    saved = read_deepspeed(ckpt, optimizer_states=False).module
+    out: dict[str, Any] = {}
+    for mode in ("weights", "module_only"):
+        model, opt, scheduler = build_evenzero(run, Resume(gas=2))
+        lr = opt.param_groups[0]["lr"]
+        info = load_deepspeed(opt, ckpt, load_optimizer_states=mode != "weights",
+                              load_module_only=mode == "module_only", lr_scheduler=scheduler)
+        now = opt.module.state_dict()
+        out[mode] = {
+            "weights_equal": now.keys() == saved.keys() and all(
+                torch.equal(now[k], saved[k].to(now[k].dtype)) for k in saved),
+            "optimizer_state": len(opt.optimizer.state), "lr_kept": opt.param_groups[0]["lr"] == lr,
+            "step_count": opt.step_count, "lbi": scheduler.last_batch_iteration,
+            "client_keys": sorted(info.client_state)}
+    return out
+
+
+def exclude_frozen_loads(rank: int, world: int, run: Run, ckpt: str) -> dict[str, Any]:
+    from evenzero.checkpoint import CheckpointError, load_deepspeed
+    from evenzero.checkpoint.deepspeed_files import read_deepspeed
+
+    saved = read_deepspeed(ckpt, optimizer_states=False).module
+    model, opt, scheduler = build_evenzero(run, Resume(gas=2))
+    frozen = model.frozen.weight.detach().clone()
+    out: dict[str, Any] = {}
+    try:
+        load_deepspeed(opt, ckpt, lr_scheduler=scheduler)
+        out["strict"] = "loaded"
+    except CheckpointError as e:
+        out["strict"] = str(e)
+    load_deepspeed(opt, ckpt, lr_scheduler=scheduler, load_module_strict=False)
+    out["frozen_kept"] = torch.equal(model.frozen.weight, frozen)
+    out["trained_loaded"] = torch.equal(model.inp.weight, saved["inp.weight"])
+    out["step_count"] = opt.step_count
+    return out

@@ -20,7 +20,14 @@ import math
 
 import pytest
 
-from deepspeed_ckpt_job import SAVED_AT, Resume, Run, resume_evenzero
+from deepspeed_ckpt_job import (
+    SAVED_AT,
+    Resume,
+    Run,
+    exclude_frozen_loads,
+    partial_loads,
+    resume_evenzero,
+)
 from deepspeed_fixtures import checkpoint, needs_deepspeed
 from dist_helpers import run_distributed
 from evenzero.checkpoint.deepspeed_convert import convert_deepspeed
@@ -48,6 +55,9 @@ CASES = {
     "fp16-4ranks": (Run(precision="fp16"), 4, 1e-4, True),
     "fusedadam-2ranks": (Run(optimizer="fused"), 2, 1e-5, True),
     "fusedadam-3ranks": (Run(optimizer="fused"), 3, 1e-4, True),
+    "two-groups-3ranks": (Run(decay_groups=True), 3, 1e-4, True),
+    "bf16-roundrobin-alignment-3ranks": (Run(precision="bf16", zero_extra={
+        "round_robin_gradients": True, "parameter_alignment": True}), 3, 5e-4, True),
 }
 
 
@@ -101,3 +111,33 @@ def test_elastic_checkpoint_loads_the_same_state(tmp_path_factory):
     for (name, _), _ in zip(a.groups[0].params, b.groups[0].params, strict=True):
         for kind in a.groups[0].parts:
             assert a.groups[0].flat(name, kind).equal(b.groups[0].flat(name, kind)), (name, kind)
+
+
+def test_weights_only_and_module_only_loads(tmp_path_factory):
+    """DeepSpeed's `load_optimizer_states=False` rebuilds the masters from the saved
+    weights and keeps the optimizer (state, lr) as it is but loads the counters and the
+    scheduler; `load_module_only=True` loads the weights and nothing else."""
+    ckpt, _ = checkpoint(Run(), tmp_path_factory)
+    out = run_distributed(partial_loads, 2, (Run(), str(ckpt)), timeout=300)
+    assert out[0] == out[1]
+    weights, module = out[0]["weights"], out[0]["module_only"]
+    assert weights["weights_equal"] and module["weights_equal"]
+    assert weights["optimizer_state"] == module["optimizer_state"] == 0
+    assert weights["lr_kept"] and module["lr_kept"]
+    assert (weights["step_count"], weights["lbi"]) == (SAVED_AT, SAVED_AT - 1)
+    assert (module["step_count"], module["lbi"]) == (0, -1)
+    # engine.load_checkpoint's client_state: what DeepSpeed did not consume.
+    assert "optimizer" in weights["client_keys"] and "global_steps" not in weights["client_keys"]
+    assert {"global_steps", "skipped_steps", "epoch"} <= set(module["client_keys"])
+    assert "lr_scheduler" not in module["client_keys"]
+
+
+@pytest.mark.slow
+def test_checkpoint_without_frozen_parameters_needs_non_strict(tmp_path_factory):
+    """`save_checkpoint(exclude_frozen_parameters=True)` leaves the frozen layer out: a
+    strict load refuses (as DeepSpeed's), `load_module_strict=False` keeps this model's."""
+    ckpt, _ = checkpoint(Run(exclude_frozen=True), tmp_path_factory)
+    out = run_distributed(exclude_frozen_loads, 2, (Run(), str(ckpt)), timeout=300)
+    assert out[0] == out[1]
+    assert "'frozen.weight'" in out[0]["strict"] and "load_module_strict=False" in out[0]["strict"]
+    assert out[0]["frozen_kept"] and out[0]["trained_loaded"] and out[0]["step_count"] == SAVED_AT

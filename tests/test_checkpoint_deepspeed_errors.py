@@ -225,3 +225,26 @@ def test_cli_converts_without_deepspeed_or_torch_distributed(tmp_path_factory, t
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "out" / "step-000004" / "manifest.json").is_file()
     assert not is_deepspeed_checkpoint(tmp_path / "out")
+
+
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("run, words", [(Run(stage=3), "ZeRO-3"), (Run(moe=True), "MoE")],
+                         ids=["zero3", "moe"])
+def test_real_unsupported_checkpoints_are_refused(run, words, tmp_path_factory):
+    """Real ZeRO-3 and MoE checkpoints of DeepSpeed 0.19.8: refused with the reason."""
+    from evenzero.checkpoint.deepspeed_files import read_deepspeed
+
+    ckpt, _ = checkpoint(run, tmp_path_factory)
+    assert is_deepspeed_checkpoint(ckpt)
+    with pytest.raises(CheckpointError, match=words):
+        read_deepspeed(ckpt)
+
+
+def test_deepspeed_groups_with_other_options_do_not_merge():
+    current = {"params": [], **torch.optim.AdamW([torch.zeros(1)]).defaults}
+    decay, no_decay = _group({"weight_decay": 0.1}), _group({"weight_decay": 0.0})
+    with pytest.raises(CheckpointError, match="different options"):
+        optimizer_values([decay, no_decay], torch.optim.AdamW, current, {}, "here")
+    _, _, hyper = optimizer_values([decay, decay], torch.optim.AdamW, current, {}, "here")
+    assert hyper["weight_decay"] == 0.1

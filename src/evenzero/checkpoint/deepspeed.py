@@ -86,8 +86,8 @@ class DeepSpeedCheckpoint:
 
 def load_deepspeed(opt: Any, directory: str | os.PathLike, tag: str | None = None, *,
                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                   load_module_only: bool = False, lr_scheduler: Any = None,
-                   allow: Sequence[Any] = ()) -> DeepSpeedCheckpoint:
+                   load_module_only: bool = False, load_module_strict: bool = True,
+                   lr_scheduler: Any = None, allow: Sequence[Any] = ()) -> DeepSpeedCheckpoint:
     """Load a DeepSpeed ZeRO-1/2 checkpoint into `opt`; a collective over its ranks.
 
     Args:
@@ -97,6 +97,9 @@ def load_deepspeed(opt: Any, directory: str | os.PathLike, tag: str | None = Non
             fp32 masters from the saved model weights, as DeepSpeed does.
         load_lr_scheduler_states: False leaves `lr_scheduler` alone.
         load_module_only: weights, buffers and frozen parameters only (no counters).
+        load_module_strict: False keeps buffers and frozen parameters the checkpoint lacks
+            (e.g. saved with exclude_frozen_parameters) and ignores entries this model
+            lacks, like DeepSpeed's; trained parameters must match either way.
         lr_scheduler: a scheduler to load the saved scheduler state into.
         allow: extra classes you trust for unpickling (e.g. your own in client_state).
     """
@@ -107,7 +110,7 @@ def load_deepspeed(opt: Any, directory: str | os.PathLike, tag: str | None = Non
 
     def stage() -> tuple[DeepSpeedFiles, StagedState, Any]:
         files = read_deepspeed(directory, tag, optimizer_states=read_optimizer, allow=allow)
-        staged = stage_deepspeed(opt, place, files, read_optimizer)
+        staged = stage_deepspeed(opt, place, files, read_optimizer, load_module_strict)
         if load_module_only:
             staged.step_count = None
         scheduler = _scheduler_state(files, lr_scheduler) if load_scheduler else None
@@ -144,20 +147,21 @@ def _summary(files: DeepSpeedFiles, optimizer: bool, scheduler: bool,
 # --------------------------------------------------------------------------- staging
 
 
-def stage_deepspeed(opt: Any, place: RankPlace, files: DeepSpeedFiles, optimizer_states: bool
-                    ) -> StagedState:
+def stage_deepspeed(opt: Any, place: RankPlace, files: DeepSpeedFiles, optimizer_states: bool,
+                    strict: bool = True) -> StagedState:
     """Everything a load writes into `opt` (this rank's shards), read and checked; no
     collective. Without `optimizer_states` the masters come from the saved weights."""
     named = trainable_names(opt)
     check_model(files, {n: tuple(p.shape) for n, p in named.items()},
                 {n: tuple(t.shape) for n, t in extra_tensors(opt).items()},
-                set(opt.module.state_dict()))
+                set(opt.module.state_dict()), strict)
     experts = [g.name for g in opt.plan.groups if g.expert_parallel_size > 1]
     if experts:
         raise CheckpointError(f"{files.path}: this optimizer has expert groups {experts} but "
                               f"the DeepSpeed checkpoint has none; {MOE_FIX}")
     holder = {name: g for g in files.groups for name, _ in g.params}
-    staged = StagedState({}, {}, {}, {}, {n: files.module[n] for n in extra_tensors(opt)},
+    extras = {n: files.saved_tensor(n) for n in extra_tensors(opt)}
+    staged = StagedState({}, {}, {}, {}, {n: t for n, t in extras.items() if t is not None},
                          None, int(files.states.get("global_steps") or 0)
                          - int(files.states.get("skipped_steps") or 0))
     for index, g in enumerate(opt.plan.groups):
@@ -193,7 +197,8 @@ def stage_deepspeed(opt: Any, place: RankPlace, files: DeepSpeedFiles, optimizer
 
 
 def check_model(files: DeepSpeedFiles, trainable: Mapping[str, tuple[int, ...]],
-                extras: Mapping[str, tuple[int, ...]], state_names: set[str]) -> None:
+                extras: Mapping[str, tuple[int, ...]], state_names: set[str],
+                strict: bool = True) -> None:
     """The checkpoint must be of this model: the same trained parameters (names, shapes),
     buffers and frozen parameters; the first difference is raised and named."""
     where = files.path
@@ -213,16 +218,19 @@ def check_model(files: DeepSpeedFiles, trainable: Mapping[str, tuple[int, ...]],
         raise CheckpointError(f"{where}: the checkpoint trains parameter(s) {extra[:5]} that "
                               f"this model lacks or has frozen; it is from a different model")
     for name, shape in extras.items():
-        saved = files.module.get(name)
+        saved = files.saved_tensor(name)
+        if saved is None and not strict:
+            continue
         if saved is None:
             raise CheckpointError(f"{where}: model entry {name!r} (buffer or frozen parameter) "
                                   f"is not in the checkpoint's module state (saved with "
-                                  f"exclude_frozen_parameters?); it cannot be restored")
+                                  f"exclude_frozen_parameters?); pass load_module_strict=False "
+                                  f"to keep this model's value")
         if tuple(saved.shape) != shape:
             raise CheckpointError(f"{where}: model entry {name!r} has shape "
                                   f"{list(saved.shape)} in the checkpoint but {list(shape)} here")
     unknown = sorted(set(files.module) - state_names)
-    if unknown:
+    if unknown and strict:
         raise CheckpointError(f"{where}: the checkpoint's module has entr(ies) {unknown[:5]} "
                               f"that this model lacks; it is from a different model")
 

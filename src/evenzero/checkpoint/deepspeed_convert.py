@@ -101,7 +101,9 @@ def _module_from(files: DeepSpeedFiles) -> nn.Module:
             mod = child
         return mod, leaf
 
-    for name, value in files.module.items():
+    fragments = files.states.get("frozen_param_fragments") or {}
+    for name in [*files.module, *(n for n in fragments if n not in files.module)]:
+        value = files.saved_tensor(name)
         if name in shared:
             continue
         mod, leaf = owner(name)

@@ -108,6 +108,14 @@ class DeepSpeedFiles:
     def module(self) -> Mapping[str, torch.Tensor]:
         return self.states["module"]
 
+    def saved_tensor(self, name: str) -> torch.Tensor | None:
+        """A model entry from `module`, else from the ZeRO-2 frozen fragments (there
+        even when DeepSpeed saved with `exclude_frozen_parameters`)."""
+        value = self.module.get(name)
+        if value is None:
+            value = (self.states.get("frozen_param_fragments") or {}).get(name)
+        return value
+
     @property
     def shared(self) -> Mapping[str, str]:
         """Tied aliases: {alias: the name the parameter is trained under}."""
