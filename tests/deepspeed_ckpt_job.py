@@ -86,6 +86,9 @@ class Run:
     optimizer: str = "torch"
     """torch: DeepSpeed's `torch_adam` (torch.optim.AdamW); fused: DeepSpeed's FusedAdam."""
     zero_extra: dict = field(default_factory=dict)
+    """Extra `zero_optimization` settings."""
+    config_extra: dict = field(default_factory=dict)
+    """Extra top-level config settings."""
     steps: int = 4
     """Steps after the save that both sides train and compare."""
     moe: bool = False
@@ -119,6 +122,7 @@ def deepspeed_config(run: Run, world: int) -> dict[str, Any]:
                                  "warmup_min_lr": 1e-3, "warmup_max_lr": LR,
                                  "warmup_type": "linear"}},
     }
+    config.update(run.config_extra)
     if run.precision == "bf16":
         config["bf16"] = {"enabled": True}
     if run.precision == "fp16":

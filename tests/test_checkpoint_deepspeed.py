@@ -56,6 +56,11 @@ CASES = {
     "fusedadam-2ranks": (Run(optimizer="fused"), 2, 1e-5, True),
     "fusedadam-3ranks": (Run(optimizer="fused"), 3, 1e-4, True),
     "two-groups-3ranks": (Run(decay_groups=True), 3, 1e-4, True),
+    # bf16 + ZeRO-1 + fp32 gradient accumulation runs DeepSpeed's BF16_Optimizer, whose
+    # files keep the tail padding (98 and 14 elements: 2 padding each at 2 ranks).
+    "bf16-optimizer-two-groups-3ranks": (Run(stage=1, precision="bf16", decay_groups=True,
+                                             config_extra={"data_types": {
+                                                 "grad_accum_dtype": "fp32"}}), 3, 5e-4, True),
     "bf16-roundrobin-alignment-3ranks": (Run(precision="bf16", zero_extra={
         "round_robin_gradients": True, "parameter_alignment": True}), 3, 5e-4, True),
 }

@@ -21,7 +21,7 @@ from deepspeed_ckpt_job import Run, damaged_loads, write_marker_if_unpickled
 from deepspeed_fixtures import checkpoint, needs_deepspeed
 from dist_helpers import run_distributed
 from evenzero.checkpoint import CheckpointError, is_deepspeed_checkpoint
-from evenzero.checkpoint.deepspeed_files import FlatGroup
+from evenzero.checkpoint.deepspeed_flat import FlatGroup
 from evenzero.checkpoint.deepspeed_optim import loss_scaler_state, optimizer_values
 from evenzero.checkpoint.deepspeed_pickle import load_file
 from evenzero.cli import main
@@ -139,7 +139,7 @@ def test_pickle_with_a_disallowed_type_is_refused_and_never_runs(tmp_path):
 
 def _group(hyper, state=("exp_avg", "exp_avg_sq")) -> FlatGroup:
     parts = {"master": (torch.zeros(3),), **{k: (torch.zeros(3),) for k in state}}
-    return FlatGroup(0, (("w", (3,)),), {"w": 0}, parts, {"step": 3}, hyper)
+    return FlatGroup(0, (("w", (3,)),), {"w": (0, 3)}, parts, {"step": 3}, hyper)
 
 
 def test_optimizer_that_keeps_other_state_is_refused():

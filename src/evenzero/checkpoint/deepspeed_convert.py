@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from evenzero.checkpoint.deepspeed import stage_deepspeed
-from evenzero.checkpoint.deepspeed_files import DeepSpeedFiles, FlatGroup, read_deepspeed
+from evenzero.checkpoint.deepspeed_files import DeepSpeedFiles, read_deepspeed
+from evenzero.checkpoint.deepspeed_flat import FlatGroup
 from evenzero.checkpoint.deepspeed_optim import saved_decoupled
 from evenzero.checkpoint.format import CheckpointError, encode_value
 from evenzero.checkpoint.state import RankPlace, apply

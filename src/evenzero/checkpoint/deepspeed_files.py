@@ -7,15 +7,7 @@
                                                          lr_scheduler, ds_config, client keys
     DIR/<tag>/[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt    one per data-parallel rank
 
-For every optimizer group, DeepSpeed concatenates the trainable parameters in
-`param_shapes` order (with `param_alignment_paddings` between them), pads the flat
-buffer at the tail to a multiple of 2 * dp, and gives rank r the slice [r*P, (r+1)*P)
-(deepspeed/runtime/zero/stage_1_and_2.py:387-500,586 @ v0.19.8). Each rank file holds its
-fp32 master slice with the tail padding cut off (`single_partition_of_fp32_groups`,
-stage_1_and_2.py:3385) and the inner optimizer's state of the whole padded slice (or
-cut, with `elastic_checkpoint`). Concatenating the cut slices of ranks 0..dp-1 therefore
-gives the unpadded flat buffer, from which `FlatGroup.flat` cuts any parameter; this is
-what makes any data-parallel size on load possible.
+How the flat partitions map back to parameters is in `deepspeed_flat`.
 
 Everything that would be read wrongly is refused here with a `CheckpointError`: missing
 or extra rank files, truncated files, ZeRO-3, stage 0, tensor/pipeline parallelism and
@@ -24,7 +16,6 @@ MoE checkpoints, and flat sizes that do not add up to `param_shapes`.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,8 +24,9 @@ from typing import Any
 
 import torch
 
+from evenzero.checkpoint.deepspeed_flat import MOE_FIX, FlatGroup, flat_groups
 from evenzero.checkpoint.deepspeed_pickle import ZeroStageEnum, load_file, scaler_state
-from evenzero.checkpoint.format import MASTER, CheckpointError
+from evenzero.checkpoint.format import CheckpointError
 
 LATEST = "latest"
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -47,41 +39,6 @@ _PIPELINE_LAYER = re.compile(r"^layer_\d+-model_")
 ZERO3_FIX = ("evenzero runs ZeRO stages 1 and 2; write the weights with DeepSpeed's "
              "zero_to_fp32.py and load them with evenzero.checkpoint.import_consolidated "
              "(the optimizer state does not carry over)")
-MOE_FIX = ("MoE checkpoints (expert parameters in layer_*_expert_* files, optimizer groups over "
-           "expert-data-parallel ranks) are not supported; resume the run with DeepSpeed, or "
-           "start evenzero from the weights")
-
-
-@dataclass(frozen=True)
-class FlatGroup:
-    """One DeepSpeed optimizer group: its parameters in flat order and the saved slices."""
-
-    index: int
-    params: tuple[tuple[str, tuple[int, ...]], ...]
-    """(name, shape) in flat order, as recorded in `param_shapes`."""
-    offsets: Mapping[str, int]
-    """Parameter name -> start in the unpadded flat buffer."""
-    parts: Mapping[str, tuple[torch.Tensor, ...]]
-    """Kind ("master", "exp_avg", ...) -> each rank's 1-D slice, tail padding cut."""
-    scalars: Mapping[str, Any]
-    """Optimizer state that is not per element (Adam's `step`)."""
-    hyperparameters: Mapping[str, Any] | None
-    """The inner optimizer's param group without "params" (None: not saved, elastic)."""
-
-    def flat(self, name: str, kind: str) -> torch.Tensor:
-        """A parameter's elements of one kind, flat fp32 (a copy)."""
-        shape = dict(self.params)[name]
-        lo = self.offsets[name]
-        hi = lo + math.prod(shape)
-        out = torch.empty(hi - lo, dtype=torch.float32)
-        start = 0
-        for part in self.parts[kind]:
-            end = start + part.numel()
-            a, b = max(lo, start), min(hi, end)
-            if a < b:
-                out[a - lo:b - lo] = part[a - start:b - start]
-            start = end
-        return out
 
 
 @dataclass(frozen=True)
@@ -189,7 +146,7 @@ def read_deepspeed(directory: str | Path, tag: str | None = None, *,
         ranks = _rank_files(path, names, dp)
         saved = [_optimizer_state(path / f, allow) for f in ranks]
         stage = _check_stages(path, ranks, saved)
-        groups = _flat_groups(path, ranks, saved, states["param_shapes"], dp)
+        groups = flat_groups(path, ranks, saved, states["param_shapes"], dp)
         scaler = scaler_state(saved[0].get("loss_scaler"))
         clip = saved[0].get("clip_grad")
     return DeepSpeedFiles(path, tag, states, trainable, groups, stage, dp, scaler,
@@ -266,10 +223,13 @@ def _rank_files(path: Path, names: list[str], dp: int) -> list[str]:
                               f": missing; the checkpoint was written by {dp} data-parallel ranks "
                               f"and needs all {dp} optimizer files")
     extra = sorted(r for r in found if r >= dp)
-    if extra or any(len(fs) > 1 for fs in found.values()):
-        raise CheckpointError(f"{path}: optimizer files for ranks {sorted(found)} (some twice, "
-                              f"with and without bf16_) but the model states say dp_world_size="
-                              f"{dp}; files from two runs are mixed here")
+    if extra:
+        raise CheckpointError(f"{path}: optimizer files for ranks {sorted(found)} but the model "
+                              f"states say dp_world_size={dp}; files from two runs are mixed here")
+    twice = [fs for fs in found.values() if len(fs) > 1]
+    if twice:
+        raise CheckpointError(f"{path}: both {twice[0]}; files from a bf16 and another run "
+                              f"are mixed here")
     return [found[r][0] for r in range(dp)]
 
 
@@ -286,6 +246,8 @@ def _check_stages(path: Path, ranks: list[str], saved: list[Mapping[str, Any]]) 
     stages = set()
     for file, sd in zip(ranks, saved, strict=True):
         stage = sd.get("zero_stage")
+        if stage is None and "single_partition_of_fp32_groups" in sd:
+            stage = ZeroStageEnum.optimizer_states  # BF16_Optimizer, DeepSpeed's bf16 ZeRO-1
         if stage is None or int(stage) == ZeroStageEnum.weights or "fp32_flat_groups" in sd:
             raise CheckpointError(f"{path / file}: a ZeRO-3 optimizer file; {ZERO3_FIX}")
         stages.add(int(stage))
@@ -293,94 +255,3 @@ def _check_stages(path: Path, ranks: list[str], saved: list[Mapping[str, Any]]) 
         raise CheckpointError(f"{path}: optimizer files of different ZeRO stages {sorted(stages)}; "
                               f"files from two runs are mixed here")
     return stages.pop()
-
-
-# --------------------------------------------------------------------------- flat groups
-
-
-def _flat_groups(path: Path, ranks: list[str], saved: list[Mapping[str, Any]],
-                 param_shapes: Sequence[Mapping[str, Any]], dp: int) -> tuple[FlatGroup, ...]:
-    out = []
-    first = saved[0]
-    for i, shapes in enumerate(param_shapes):
-        params = tuple((n, tuple(int(d) for d in s)) for n, s in shapes.items())
-        for file, sd in zip(ranks, saved, strict=True):
-            where = path / file
-            counts = sd.get("partition_count") or []
-            if len(sd.get("single_partition_of_fp32_groups") or []) != len(param_shapes):
-                raise CheckpointError(f"{where}: {len(sd.get('single_partition_of_fp32_groups') or [])}"
-                                      f" optimizer groups, the model states list "
-                                      f"{len(param_shapes)}; files from two runs are mixed here")
-            if i < len(counts) and int(counts[i]) != dp:
-                raise CheckpointError(f"{where}: group {i} is partitioned over {counts[i]} ranks, "
-                                      f"not the {dp} data-parallel ranks; {MOE_FIX}")
-        pads = [int(p) for p in (first.get("param_alignment_paddings") or [[]] * (i + 1))[i]] \
-            or [0] * len(params)
-        offsets, pos = {}, 0
-        for (name, shape), pad in zip(params, pads, strict=True):
-            offsets[name] = pos
-            pos += math.prod(shape) + pad
-        masters = tuple(sd["single_partition_of_fp32_groups"][i].reshape(-1) for sd in saved)
-        total = sum(m.numel() for m in masters)
-        if total != pos:
-            raise CheckpointError(f"{path}: optimizer group {i} holds {total} elements over "
-                                  f"{dp} files, but param_shapes needs {pos}; the files do not "
-                                  f"belong to this model states file or are damaged")
-        parts, scalars, hyper = _group_state(path, ranks, saved, i, masters)
-        out.append(FlatGroup(i, params, offsets, {MASTER: masters, **parts}, scalars, hyper))
-    return tuple(out)
-
-
-def _group_state(path: Path, ranks: list[str], saved: list[Mapping[str, Any]], i: int,
-                 masters: tuple[torch.Tensor, ...]) -> tuple[dict, dict, dict | None]:
-    """(per-element state by kind, scalar state, hyperparameters) of group `i`."""
-    per_rank: list[dict[str, Any]] = []
-    hyper = None
-    for file, sd, master in zip(ranks, saved, masters, strict=True):
-        base = sd.get("base_optimizer_state")
-        where = path / file
-        if isinstance(base, Mapping):  # the default (rigid) format: the inner state_dict()
-            group = base["param_groups"][i]
-            state = dict(base["state"].get(group["params"][0], {}))
-            pad = int(sd["group_paddings"][i])
-            if group.get("moe"):
-                raise CheckpointError(f"{where}: optimizer group {i} holds expert parameters; "
-                                      f"{MOE_FIX}")
-            if hyper is None:
-                hyper = {k: v for k, v in group.items() if k != "params"}
-        elif isinstance(base, Sequence):  # elastic_checkpoint: cut per group, no groups
-            state, pad = dict(base[i]), 0
-        else:
-            raise CheckpointError(f"{where}: no base_optimizer_state; the file is damaged")
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() == 1 and key != "step":
-                if value.numel() != master.numel() + pad:
-                    raise CheckpointError(f"{where}: optimizer state {key!r} of group {i} has "
-                                          f"{value.numel()} elements, expected "
-                                          f"{master.numel() + pad}; the file is damaged")
-                state[key] = value[:master.numel()]
-        per_rank.append(state)
-    keys = set(per_rank[0])
-    parts, scalars = {}, {}
-    for r, state in enumerate(per_rank):
-        if set(state) != keys:
-            raise CheckpointError(f"{path / ranks[r]}: optimizer state keys {sorted(state)} differ "
-                                  f"from rank 0's {sorted(keys)}; files from two runs are mixed")
-    for key in sorted(keys):
-        values = [s[key] for s in per_rank]
-        if key != "step" and all(isinstance(v, torch.Tensor) and v.dim() == 1 for v in values):
-            parts[key] = tuple(values)
-            continue
-        for r, v in enumerate(values):
-            if not _same(v, values[0]):
-                raise CheckpointError(f"{path / ranks[r]}: optimizer state {key!r} of group {i} "
-                                      f"is {v}, rank 0 has {values[0]}; files from two runs "
-                                      f"are mixed here")
-        scalars[key] = values[0]
-    return parts, scalars, hyper
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and bool(torch.equal(a, b))
-    return bool(a == b)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from evenzero.checkpoint.deepspeed_files import FlatGroup
+from evenzero.checkpoint.deepspeed_flat import FlatGroup, same_value
 from evenzero.checkpoint.format import MASTER, CheckpointError
 
 IMPLEMENTATION_OPTIONS = frozenset({"foreach", "fused", "capturable", "differentiable"})
@@ -39,12 +39,12 @@ def optimizer_values(groups: Sequence[FlatGroup], optimizer_class: type,
     first = groups[0]
     hyper = _options(first, now, where)
     for g in groups[1:]:
-        if not _same(_options(g, now, where), hyper):
+        if not same_value(_options(g, now, where), hyper):
             raise CheckpointError(f"{where}: DeepSpeed optimizer groups {first.index} and "
                                   f"{g.index} hold parameters of this one group but have "
                                   f"different options; give ZeroOptimizer param_groups that "
                                   f"split the parameters as DeepSpeed's groups did")
-        if set(g.parts) != set(first.parts) or not _same(dict(g.scalars), dict(first.scalars)):
+        if set(g.parts) != set(first.parts) or not same_value(dict(g.scalars), dict(first.scalars)):
             raise CheckpointError(f"{where}: DeepSpeed optimizer groups {first.index} and "
                                   f"{g.index} hold parameters of this one group but different "
                                   f"optimizer state; give ZeroOptimizer matching param_groups")
@@ -127,14 +127,6 @@ def _like(value: Any, example: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.numel() == 1 and isinstance(example, (int, float)):
         return type(example)(value.item())
     return copy.deepcopy(value)
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return bool(torch.equal(torch.as_tensor(a), torch.as_tensor(b)))
-    return bool(a == b)
 
 
 # --------------------------------------------------------------------------- loss scale

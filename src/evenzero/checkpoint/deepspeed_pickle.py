@@ -80,7 +80,9 @@ def load_file(path: Path, allow: Sequence[Any] = ()) -> Any:
         raise CheckpointError(f"{path}: missing")
     try:
         with torch.serialization.safe_globals([*STAND_INS, *allow]):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            # Memory-mapped when the file allows (the zip format of torch >= 1.6).
+            mmap = zipfile.is_zipfile(path)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{path}: {_refusal(str(e))}") from None
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as e:
