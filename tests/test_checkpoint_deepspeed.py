@@ -50,12 +50,12 @@ CASES = {
     "zero1-1rank": (Run(stage=1), 1, 1e-4, True),
     "bf16-2ranks": (Run(precision="bf16"), 2, 5e-4, True),
     "bf16-4ranks": (Run(precision="bf16"), 4, 5e-4, True),
-    "bf16-3ranks": (Run(precision="bf16"), 3, 5e-4, True),
+    "bf16-3ranks-and-converted": (Run(precision="bf16"), 3, 5e-4, True),
     "fp16-2ranks": (Run(precision="fp16"), 2, 1e-4, True),
-    "fp16-4ranks": (Run(precision="fp16"), 4, 1e-4, True),
+    "fp16-4ranks-and-converted": (Run(precision="fp16"), 4, 1e-4, True),
     "fusedadam-2ranks": (Run(optimizer="fused"), 2, 1e-5, True),
     "fusedadam-3ranks": (Run(optimizer="fused"), 3, 1e-4, True),
-    "two-groups-3ranks": (Run(decay_groups=True), 3, 1e-4, True),
+    "two-groups-3ranks-and-converted": (Run(decay_groups=True), 3, 1e-4, True),
     # bf16 + ZeRO-1 + fp32 gradient accumulation runs DeepSpeed's BF16_Optimizer, whose
     # files keep the tail padding (98 and 14 elements: 2 padding each at 2 ranks).
     "bf16-optimizer-two-groups-3ranks": (Run(stage=1, precision="bf16", decay_groups=True,

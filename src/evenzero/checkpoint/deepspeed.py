@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from evenzero.checkpoint.agree import agree, attempt
 from evenzero.checkpoint.deepspeed_files import (
     MOE_FIX,
@@ -37,6 +39,7 @@ from evenzero.checkpoint.deepspeed_files import (
     is_deepspeed_checkpoint,
     read_deepspeed,
 )
+from evenzero.checkpoint.deepspeed_flat import FlatGroup
 from evenzero.checkpoint.deepspeed_optim import loss_scaler_state, optimizer_values
 from evenzero.checkpoint.format import MASTER, CheckpointError
 from evenzero.checkpoint.reshard import fill_shard
@@ -50,6 +53,7 @@ from evenzero.checkpoint.state import (
     inner_group,
     trainable_names,
 )
+from evenzero.plan import ShardRange
 
 _ENGINE_KEYS = ("module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size",
                 "data_sampler", "random_ltd")
@@ -173,7 +177,8 @@ def stage_deepspeed(opt: Any, place: RankPlace, files: DeepSpeedFiles, optimizer
         if not optimizer_states:
             # DeepSpeed's `_restore_from_bit16_weights`: masters from the model weights,
             # optimizer state and options as they are.
-            staged.masters[g.name] = fill_shard(ranges, numel, lambda param: files.module[param].float())
+            staged.masters[g.name] = fill_shard(ranges, numel,
+                                                lambda param: files.module[param].float())
             staged.states[g.name] = {k: v.clone() for k, v in flats.items() if k != MASTER}
             staged.scalars[g.name], staged.hyperparameters[g.name] = scalars, hyper
             continue
@@ -183,17 +188,24 @@ def stage_deepspeed(opt: Any, place: RankPlace, files: DeepSpeedFiles, optimizer
             inner_group(opt, index, g.name)[0], files.states.get("ds_config"),
             f"{files.path} (group {g.name!r})")
 
-        def whole(kind: str):
-            return lambda param: holder[param].flat(param, kind)
-
-        staged.masters[g.name] = fill_shard(ranges, numel, whole(MASTER))
-        staged.states[g.name] = {k: fill_shard(ranges, numel, whole(k)) for k in kinds}
+        staged.masters[g.name] = _shard(ranges, numel, holder, MASTER)
+        staged.states[g.name] = {k: _shard(ranges, numel, holder, k) for k in kinds}
         staged.scalars[g.name], staged.hyperparameters[g.name] = scalars, hyper
     if optimizer_states:
         staged.loss_scaler = loss_scaler_state(files.loss_scaler, getattr(opt, "loss_scaler", None),
                                                int(files.states.get("skipped_steps") or 0),
                                                str(files.path))
     return staged
+
+
+def _shard(ranges: Sequence[ShardRange], numel: int, holder: Mapping[str, FlatGroup],
+           kind: str) -> torch.Tensor:
+    """This rank's flat fp32 shard of one kind, zeros in its padding."""
+    out = torch.zeros(numel, dtype=torch.float32)
+    for r in ranges:
+        out[r.shard_offset:r.shard_offset + r.numel] = holder[r.param].flat(r.param, kind, r.start,
+                                                                            r.numel)
+    return out
 
 
 def check_model(files: DeepSpeedFiles, trainable: Mapping[str, tuple[int, ...]],

@@ -43,9 +43,13 @@ class FlatGroup:
     hyperparameters: Mapping[str, Any] | None
     """The inner optimizer's param group without "params" (None: not saved, elastic)."""
 
-    def flat(self, name: str, kind: str) -> torch.Tensor:
-        """A parameter's elements of one kind, flat fp32 (a copy)."""
-        lo, hi = self.spans[name]
+    def flat(self, name: str, kind: str, start: int = 0, numel: int | None = None
+             ) -> torch.Tensor:
+        """Elements [start, start + numel) of a parameter (default: all) of one kind, flat
+        fp32 (a copy): a rank reads only the runs of its own shard."""
+        first, end = self.spans[name]
+        lo = first + start
+        hi = end if numel is None else lo + numel
         out = torch.empty(hi - lo, dtype=torch.float32)
         start = 0
         for part in self.parts[kind]:
