@@ -34,7 +34,7 @@ from evenzero.checkpoint.deepspeed import stage_deepspeed
 from evenzero.checkpoint.deepspeed_files import DeepSpeedFiles, read_deepspeed
 from evenzero.checkpoint.deepspeed_flat import FlatGroup
 from evenzero.checkpoint.deepspeed_optim import saved_decoupled
-from evenzero.checkpoint.format import CheckpointError, encode_value
+from evenzero.checkpoint.format import CheckpointError
 from evenzero.checkpoint.state import RankPlace, apply
 
 SUMMARY_FILE = "deepspeed.json"
@@ -185,17 +185,31 @@ def _summary(files: DeepSpeedFiles) -> tuple[dict[str, Any], list[str]]:
         if key in engine:
             continue
         try:
-            client[key] = encode_value(value)
-        except CheckpointError:
+            client[key] = _json(value)
+        except (TypeError, ValueError):
             skipped.append(key)
     scaler = {k: v for k, v in (files.loss_scaler or {}).items() if k != "dtype"}
     out = {"tag": files.tag, "global_steps": s.get("global_steps"),
            "global_samples": s.get("global_samples"), "skipped_steps": s.get("skipped_steps"),
-           "lr_scheduler": encode_value(s.get("lr_scheduler")), "clip_grad": files.clip_grad,
-           "loss_scaler": encode_value(scaler), "zero_stage": files.zero_stage,
+           "lr_scheduler": _json(s.get("lr_scheduler")), "clip_grad": files.clip_grad,
+           "loss_scaler": _json(scaler), "zero_stage": files.zero_stage,
            "dp_world_size": files.dp_world_size, "ds_version": s.get("ds_version"),
-           "ds_config": s.get("ds_config"), "client_state": client}
+           "ds_config": _json(s.get("ds_config")), "client_state": client}
     return out, skipped
+
+
+SMALL_TENSOR_NUMEL = 64
+"""Tensors up to this size are written into the JSON summary as lists."""
+
+
+def _json(value: Any) -> Any:
+    """`value` as JSON data (small tensors as lists); TypeError if it has no JSON form."""
+    def small(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.numel() <= SMALL_TENSOR_NUMEL:
+            return v.tolist()
+        raise TypeError(f"{type(v).__name__} has no JSON form")
+
+    return json.loads(json.dumps(value, default=small))
 
 
 # --------------------------------------------------------------------------- CLI
