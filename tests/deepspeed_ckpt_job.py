@@ -190,13 +190,15 @@ def train_deepspeed(rank: int, world: int, run: Run, out: str) -> dict[str, Any]
             total += float(loss.detach()) / gas
             engine.backward(loss)
             engine.step()
+        norms.append(float(engine.get_global_grad_norm()))
         return _mean_over_ranks(total)
 
+    norms: list[float] = []
     before = [step(s) for s in range(SAVED_AT)]
     engine.save_checkpoint(out, client_state={"epoch": 7, "note": "from deepspeed"},
                            exclude_frozen_parameters=run.exclude_frozen)
     after = [step(s) for s in range(SAVED_AT, SAVED_AT + run.steps)]
-    return {"before": before, "after": after, "lr": engine.get_lr()}
+    return {"before": before, "after": after, "lr": engine.get_lr(), "norms": norms}
 
 
 @dataclass(frozen=True)
