@@ -4,6 +4,7 @@
     evenzero calibrate --world-size W ...    measure alpha and bandwidth per collective
     evenzero repro ...                       the seed case trained side by side
     evenzero bench ...                       a dense GPT trained side by side
+    evenzero convert-deepspeed DS_DIR OUT    a DeepSpeed ZeRO-1/2 checkpoint as an evenzero one
 
 `evenzero COMMAND --help` lists a command's options. Exit status: 0 done; 1 the command
 ran and failed (a rank died, results disagree); 2 bad input, with one line on stderr
@@ -40,6 +41,8 @@ COMMANDS: dict[str, Command] = {
     "repro": Command("evenzero.repro",
                      "run the seed case side by side: evenzero, DeepSpeed, DDP"),
     "bench": Command("evenzero.repro.bench", "run the benchmarks"),
+    "convert-deepspeed": Command("evenzero.checkpoint.deepspeed_convert",
+                                 "write an evenzero checkpoint from a DeepSpeed ZeRO-1/2 one"),
 }
 """Every subcommand by name. A new one is a module with the two functions and a line here."""
 
