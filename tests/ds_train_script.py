@@ -94,14 +94,24 @@ CASES: dict[str, dict] = {
     # DeepSpeed's FusedAdam (no torch_adam): needs DeepSpeed's CPU op built.
     "zero2_fused_adam": _base(2, gradient_clipping=0.3, optimizer={
         "type": "Adam", "params": {"lr": 5e-3, "weight_decay": 0.01}}),
+    # Plain `loss.backward()` (DeepSpeed divides by the accumulation steps in output hooks).
+    "zero2_torch_backward": _base(2, gradient_clipping=0.3, optimizer=_adam()),
     # MoE with deepspeed.moe.layer.MoE, expert-parallel size 2 and 1.
     "moe_ep2": _base(2, gradient_clipping=0.5, optimizer=_adam()),
     "moe_ep1": _base(1, gradient_clipping=0.5, optimizer=_adam()),
+    # fp16 with dynamic loss scaling: starts far too high, so the first steps overflow
+    # (hysteresis, skipped steps, LR held), then grows every 2 good steps.
+    "fp16_zero2": _base(2, fp16={"enabled": True, "initial_scale_power": 18,
+                                 "loss_scale_window": 2, "hysteresis": 2, "min_loss_scale": 1},
+                        gradient_clipping=0.5, optimizer=_adam(),
+                        scheduler={"type": "WarmupLR", "params": {
+                            "warmup_min_lr": 1e-3, "warmup_max_lr": 8e-3,
+                            "warmup_num_steps": 4, "warmup_type": "linear"}}),
     # bf16 parameters, fp32 masters.
     "bf16_zero2": _base(2, bf16={"enabled": True}, gradient_clipping=0.5, optimizer=_adam()),
 }
 CASES["zero2_fused_adam"]["scheduler"] = CASES["zero2_adam"]["scheduler"]
-EPOCHS = 2
+EPOCHS = 3
 # Cases that hand `training_data` to initialize (DeepSpeed's loader forks two workers per
 # epoch, which is slow); the others build their own DistributedSampler loader, as many
 # DeepSpeed scripts do.
@@ -199,8 +209,9 @@ def own_loader(engine) -> torch.utils.data.DataLoader:
 def train(deepspeed, case: str, args=None, epochs: int = EPOCHS) -> dict:
     engine, _optimizer, loader, scheduler = initialize(deepspeed, case, args)
     loader = loader if loader is not None else own_loader(engine)
-    dtype = torch.bfloat16 if engine.bfloat16_enabled() else None
-    losses, lrs, boundaries = [], [engine.get_lr()], []
+    dtype = (torch.bfloat16 if engine.bfloat16_enabled() else
+             torch.float16 if engine.fp16_enabled() else None)
+    losses, lrs, boundaries, scales = [], [engine.get_lr()], [], []
     for _ in range(epochs):
         for x, y in loader:
             x = x.to(engine.device)
@@ -208,11 +219,15 @@ def train(deepspeed, case: str, args=None, epochs: int = EPOCHS) -> dict:
                 x = x.to(dtype)
             loss = F.cross_entropy(engine(x).float(), y.to(engine.device))
             boundaries.append(engine.is_gradient_accumulation_boundary())
-            engine.backward(loss)
+            if case.endswith("torch_backward"):
+                loss.backward()
+            else:
+                engine.backward(loss)
             engine.step()
             losses.append(loss.item())
             lrs.append(engine.get_lr())
-    return {"losses": losses, "lrs": lrs, "boundaries": boundaries,
+            scales.append(getattr(engine.optimizer, "cur_scale", 1.0))
+    return {"losses": losses, "lrs": lrs, "boundaries": boundaries, "scales": scales,
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
             "batch": [engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),
