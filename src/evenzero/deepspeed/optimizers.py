@@ -9,9 +9,10 @@ DeepSpeed runs FusedAdam, which on a CPU job (DS_BUILD_OPS=0) is a JIT-built C++
 (deepspeed/ops/csrc/adam/cpu_adam_impl.cpp@0.19.8, `Step_1`): decoupled decay
 `p -= lr*wd*p` then `p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)` in AdamW mode, L2
 `g += wd*p` in Adam mode - the update torch.optim.AdamW/Adam compute, up to float
-rounding. So FusedAdam maps to torch AdamW/Adam with FusedAdam's defaults (notably
-weight_decay 0.0). FusedAdam's `bias_correction=False` has no torch equivalent and
-`amsgrad` is refused by FusedAdam itself; both are errors here.
+rounding, except that torch decays with `p *= 1 - lr*wd`, whose float32 factor drifts
+systematically over many steps. So FusedAdam maps to `evenzero.deepspeed.fused_adam.
+FusedAdam`, which keeps the kernel's arithmetic (and FusedAdam's defaults, notably
+weight_decay 0.0); `amsgrad` is refused, as FusedAdam itself refuses it.
 
 Any other type is looked up in torch.optim (`SGD`, `Adagrad`, ...), as DeepSpeed does;
 LAMB, Lion, Muon, OneBit*, ... are DeepSpeed kernels evenzero does not have.
@@ -27,11 +28,14 @@ from typing import Any
 import torch
 
 from evenzero.deepspeed.config import DeepSpeedConfigError, NamedSection
+from evenzero.deepspeed.fused_adam import FusedAdam
 
 # deepspeed/runtime/config.py@0.19.8:52-66: names DeepSpeed lower-cases.
 DEEPSPEED_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd",
                         "lion", "muon")
-FUSED_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+# DeepSpeed's own Adam kernels a client may pass as its optimizer object; they are
+# elementwise, so ZeroOptimizer may step shards with them.
+DEEPSPEED_ELEMENTWISE = ("FusedAdam", "DeepSpeedCPUAdam")
 
 
 @dataclass(frozen=True)
@@ -73,30 +77,21 @@ def _adam(name: str, params: dict) -> tuple[type[torch.optim.Optimizer], dict]:
     effective = name == "adamw" or bool(adam_w_mode)
     torch_adam = params.pop("torch_adam", False)
     params.pop("fp32_optimizer_states", None)  # only read by DeepSpeed's CPU Adam (offload)
-    cls = torch.optim.AdamW if effective else torch.optim.Adam
     if torch_adam:
+        cls = torch.optim.AdamW if effective else torch.optim.Adam
         params.setdefault("foreach", None)
         _check_kwargs(cls, params, "torch_adam " + cls.__name__)
         return cls, params
     # FusedAdam(params, lr, bias_correction, betas, eps, adam_w_mode, weight_decay, amsgrad,
     # set_grad_none) (deepspeed/ops/adam/fused_adam.py@0.19.8).
-    extra = sorted(set(params) - {"lr", "bias_correction", "betas", "eps", "weight_decay",
-                                  "amsgrad", "set_grad_none"})
-    if extra:
-        raise DeepSpeedConfigError(f"config key 'optimizer.params.{extra[0]}' is not a FusedAdam "
-                                   f"argument (DeepSpeed would fail to build the optimizer)")
-    if not params.pop("bias_correction", True):
-        raise DeepSpeedConfigError("config key 'optimizer.params.bias_correction' = false is not "
-                                   "supported (torch's Adam always corrects bias); remove it")
-    if params.pop("amsgrad", False):
+    _check_kwargs(FusedAdam, params, "FusedAdam")
+    if params.get("amsgrad"):
         raise DeepSpeedConfigError("FusedAdam does not support the AMSGrad variant "
                                    "('optimizer.params.amsgrad'); remove it, or set "
                                    "'torch_adam': true to use torch's AMSGrad")
-    params.pop("set_grad_none", None)
-    kwargs = {**FUSED_ADAM_DEFAULTS, **params}
-    if isinstance(kwargs["betas"], list):
-        kwargs["betas"] = tuple(kwargs["betas"])
-    return cls, kwargs
+    if isinstance(params.get("betas"), list):
+        params["betas"] = tuple(params["betas"])
+    return FusedAdam, {**params, "adam_w_mode": effective}
 
 
 def _check_kwargs(cls: type, params: Mapping[str, Any], what: str) -> None:
@@ -113,6 +108,14 @@ def optimizer_from_client(optimizer: torch.optim.Optimizer) -> OptimizerChoice:
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
     kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     return OptimizerChoice(cls, kwargs, cls.__name__)
+
+
+def declared_elementwise(cls: type) -> bool | None:
+    """True for Adam kernels known to be elementwise that torch's list does not name."""
+    if cls is FusedAdam or (cls.__module__.startswith("deepspeed.ops.adam")
+                            and cls.__name__ in DEEPSPEED_ELEMENTWISE):
+        return True
+    return None
 
 
 # --------------------------------------------------------------------------- param groups

@@ -39,6 +39,7 @@ from evenzero.deepspeed.moe import broadcast_parameters, deepspeed_moe_layers, e
 from evenzero.deepspeed.optimizers import (
     OptimizerChoice,
     as_groups,
+    declared_elementwise,
     optimizer_from_client,
     optimizer_from_config,
     split_moe_groups,
@@ -183,7 +184,8 @@ def _build_optimizer(model: torch.nn.Module, cfg: EngineConfig, client: Any, mod
         name = choice.name
     zero_groups = zero_param_groups(param_groups, groups)
     zcfg = ZeroConfig(stage=max(1, cfg.zero.stage), bucket_numel=cfg.zero.reduce_bucket_size,
-                      reduce_dtype=DTYPES.get(cfg.communication_data_type or ""))
+                      reduce_dtype=DTYPES.get(cfg.communication_data_type or ""),
+                      elementwise=declared_elementwise(choice.cls))
     zero = ZeroOptimizer(model, choice.cls, zero_groups, config=zcfg, **choice.kwargs)
     if client is not None:
         _adopt_client(zero, client)
