@@ -94,6 +94,11 @@ CASES: dict[str, dict] = {
     # DeepSpeed's FusedAdam (no torch_adam): needs DeepSpeed's CPU op built.
     "zero2_fused_adam": _base(2, gradient_clipping=0.3, optimizer={
         "type": "Adam", "params": {"lr": 5e-3, "weight_decay": 0.01}}),
+    # fp32 ZeRO skips a step whose gradients are not finite (the LR schedule holds).
+    "zero2_nan_step": _base(2, gradient_clipping=0.3, optimizer=_adam(),
+                            scheduler={"type": "WarmupLR", "params": {
+                                "warmup_min_lr": 1e-3, "warmup_max_lr": 8e-3,
+                                "warmup_num_steps": 4, "warmup_type": "linear"}}),
     # Plain `loss.backward()` (DeepSpeed divides by the accumulation steps in output hooks).
     "zero2_torch_backward": _base(2, gradient_clipping=0.3, optimizer=_adam()),
     # MoE with deepspeed.moe.layer.MoE, expert-parallel size 2 and 1.
@@ -211,13 +216,15 @@ def train(deepspeed, case: str, args=None, epochs: int = EPOCHS) -> dict:
     loader = loader if loader is not None else own_loader(engine)
     dtype = (torch.bfloat16 if engine.bfloat16_enabled() else
              torch.float16 if engine.fp16_enabled() else None)
-    losses, lrs, boundaries, scales = [], [engine.get_lr()], [], []
+    losses, lrs, boundaries, scales, norms = [], [engine.get_lr()], [], [], []
     for _ in range(epochs):
         for x, y in loader:
             x = x.to(engine.device)
             if dtype is not None:
                 x = x.to(dtype)
             loss = F.cross_entropy(engine(x).float(), y.to(engine.device))
+            if case == "zero2_nan_step" and len(losses) == 5:
+                loss = loss * float("nan")
             boundaries.append(engine.is_gradient_accumulation_boundary())
             if case.endswith("torch_backward"):
                 loss.backward()
@@ -227,7 +234,10 @@ def train(deepspeed, case: str, args=None, epochs: int = EPOCHS) -> dict:
             losses.append(loss.item())
             lrs.append(engine.get_lr())
             scales.append(getattr(engine.optimizer, "cur_scale", 1.0))
+            norm = engine.get_global_grad_norm()
+            norms.append(None if norm is None else float(norm))
     return {"losses": losses, "lrs": lrs, "boundaries": boundaries, "scales": scales,
+            "grad_norms": norms,
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "skipped_steps": engine.skipped_steps, "micro_steps": engine.micro_steps,
             "batch": [engine.train_batch_size(), engine.train_micro_batch_size_per_gpu(),

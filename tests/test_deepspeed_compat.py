@@ -30,6 +30,7 @@ LOOSE = {"bf16_zero2": (2e-3, 4e-3), "fp16_zero2": (2e-4, 5e-4),
          "zero2_fused_adam": (FP32_TOL, FP32_TOL)}
 DEFAULT_CASES = ("zero2_adam", "zero1_adam_l2", "zero2_sgd_cosine", "zero1_onecycle",
                  "zero2_lrrange", "zero0_adam", "client_optimizer", "zero2_torch_backward",
+                 "zero2_nan_step",
                  "moe_ep2", "moe_ep1", "bf16_zero2", "fp16_zero2")
 SLOW_CASES = ("zero2_fused_adam",)
 
@@ -38,10 +39,18 @@ def compare(a: dict, b: dict, case: str) -> dict:
     """Figures of one case; raises AssertionError past the tolerances."""
     loss_tol, param_tol = LOOSE.get(case, (FP32_TOL, FP32_TOL))
     assert len(a["losses"]) == len(b["losses"]) > 0
+    nan = [math.isnan(x) for x in a["losses"]]
+    assert nan == [math.isnan(y) for y in b["losses"]], (a["losses"], b["losses"])
+    norms = [(x, y) for x, y in zip(a["grad_norms"], b["grad_norms"]) if x != y]
+    rel = 1e-5 if case not in ("bf16_zero2", "fp16_zero2") else 2e-3
+    assert all(x is not None and y is not None and math.isfinite(x) and
+               abs(x - y) <= rel * max(1.0, abs(x)) for x, y in norms), (case, norms[:3])
     fig = {
         "micro_steps": len(a["losses"]),
         "optimizer_steps": a["global_steps"],
-        "max_loss_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"])),
+        "max_loss_diff": max(abs(x - y) for x, y, n in zip(a["losses"], b["losses"], nan)
+                             if not n),
+        "max_grad_norm_diff": max((abs(x - y) for x, y in norms), default=0.0),
         "max_param_diff": max(abs(x - y) for n in a["params"]
                               for x, y in zip(a["params"][n], b["params"][n])),
         "max_lr_diff": max(abs(x - y) for la, lb in zip(a["lrs"], b["lrs"])
@@ -154,9 +163,9 @@ if __name__ == "__main__":
     cases = tuple(sys.argv[1:]) or DEFAULT_CASES + SLOW_CASES
     figures = run_distributed(_figures_job, 2, (cases,), timeout=1200)[0]
     print(f"{'case':22} {'steps':>5} {'max |loss diff|':>16} {'max |param diff|':>17} "
-          f"{'max |LR diff|':>14} LRs identical  skipped (DS, evenzero)")
+          f"{'max |norm diff|':>16} {'max |LR diff|':>14} LRs identical  skipped (DS, evenzero)")
     for case, f in figures.items():
         print(f"{case:22} {f['optimizer_steps']:>5} {f['max_loss_diff']:>16.3g} "
-              f"{f['max_param_diff']:>17.3g} {f['max_lr_diff']:>14.3g} {str(f['lrs_identical']):>13}  "
-              f"{f['skipped_steps']}")
+              f"{f['max_param_diff']:>17.3g} {f['max_grad_norm_diff']:>16.3g} "
+              f"{f['max_lr_diff']:>14.3g} {str(f['lrs_identical']):>13}  {f['skipped_steps']}")
     assert all(math.isfinite(f["max_loss_diff"]) for f in figures.values())
