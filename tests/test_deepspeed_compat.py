@@ -41,20 +41,20 @@ def compare(a: dict, b: dict, case: str) -> dict:
     assert len(a["losses"]) == len(b["losses"]) > 0
     nan = [math.isnan(x) for x in a["losses"]]
     assert nan == [math.isnan(y) for y in b["losses"]], (a["losses"], b["losses"])
-    norms = [(x, y) for x, y in zip(a["grad_norms"], b["grad_norms"]) if x != y]
+    norms = [(x, y) for x, y in zip(a["grad_norms"], b["grad_norms"], strict=True) if x != y]
     rel = 1e-5 if case not in ("bf16_zero2", "fp16_zero2") else 2e-3
     assert all(x is not None and y is not None and math.isfinite(x) and
                abs(x - y) <= rel * max(1.0, abs(x)) for x, y in norms), (case, norms[:3])
     fig = {
         "micro_steps": len(a["losses"]),
         "optimizer_steps": a["global_steps"],
-        "max_loss_diff": max(abs(x - y) for x, y, n in zip(a["losses"], b["losses"], nan)
-                             if not n),
+        "max_loss_diff": max(abs(x - y) for x, y, n in
+                             zip(a["losses"], b["losses"], nan, strict=True) if not n),
         "max_grad_norm_diff": max((abs(x - y) for x, y in norms), default=0.0),
         "max_param_diff": max(abs(x - y) for n in a["params"]
-                              for x, y in zip(a["params"][n], b["params"][n])),
-        "max_lr_diff": max(abs(x - y) for la, lb in zip(a["lrs"], b["lrs"])
-                           for x, y in zip(la, lb)),
+                              for x, y in zip(a["params"][n], b["params"][n], strict=True)),
+        "max_lr_diff": max(abs(x - y) for la, lb in zip(a["lrs"], b["lrs"], strict=True)
+                           for x, y in zip(la, lb, strict=True)),
         "lrs_identical": a["lrs"] == b["lrs"],
         "skipped_steps": (a["skipped_steps"], b["skipped_steps"]),
     }
@@ -113,8 +113,8 @@ def _check_moe_groups() -> None:
 
 def _check_errors_everywhere() -> None:
     """A refused key fails initialize on every rank with the key in the message."""
-    import evenzero.deepspeed as deepspeed
     import ds_train_script as script
+    import evenzero.deepspeed as deepspeed
 
     config = {**script.CASES["zero2_adam"], "zero_optimization": {
         "stage": 2, "offload_optimizer": {"device": "cpu"}}}

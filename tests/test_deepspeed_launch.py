@@ -137,7 +137,7 @@ def _env(**extra: str) -> dict:
 
 def _run(cmds: list[list[str]], envs: list[dict], timeout: float = 300) -> None:
     procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for c, e in zip(cmds, envs)]
+                              text=True) for c, e in zip(cmds, envs, strict=True)]
     outs = []
     try:
         for p in procs:
@@ -147,7 +147,7 @@ def _run(cmds: list[list[str]], envs: list[dict], timeout: float = 300) -> None:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for p, out in zip(procs, outs):
+    for p, out in zip(procs, outs, strict=True):
         assert p.returncode == 0, out[-4000:]
 
 
@@ -197,4 +197,4 @@ def test_torchrun_script_equals_deepspeed(tmp_path):
         results[impl] = json.loads(out.read_text())
     ds, ez = results["deepspeed"], results["evenzero"]
     assert ds["lrs"] == ez["lrs"] and ds["global_steps"] == ez["global_steps"]
-    assert max(abs(a - b) for a, b in zip(ds["losses"], ez["losses"])) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(ds["losses"], ez["losses"], strict=True)) <= 1e-5

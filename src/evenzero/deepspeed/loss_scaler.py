@@ -107,9 +107,9 @@ class DeepSpeedLossScaler:
             raise ValueError("the checkpoint's loss scaler was not saved by evenzero.deepspeed; "
                              "load it with the engine that saved it")
         if bool(state["dynamic"]) != self.dynamic:
-            raise ValueError(f"the checkpoint's loss scale is {'dynamic' if state['dynamic'] else 'static'}"
-                             f" but this config's is {'dynamic' if self.dynamic else 'static'}; "
-                             f"use the fp16 section the run was saved with")
+            kinds = ["dynamic" if d else "static" for d in (state["dynamic"], self.dynamic)]
+            raise ValueError(f"the checkpoint's loss scale is {kinds[0]} but this config's is "
+                             f"{kinds[1]}; use the fp16 section the run was saved with")
         for f in self._FIELDS:
             setattr(self, f, type(getattr(self, f))(state[f]))
 

@@ -34,7 +34,7 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 def update_lr(param_groups: list[dict], lrs: list) -> list:
     """Write `lrs` into the groups (tensor LRs in place) and return what they hold."""
-    for group, lr in zip(param_groups, lrs):
+    for group, lr in zip(param_groups, lrs, strict=False):
         if torch.is_tensor(group["lr"]):
             group["lr"].fill_(lr.squeeze() if torch.is_tensor(lr) else lr)
         else:
@@ -108,7 +108,8 @@ class WarmupLR(DeepSpeedSchedule):
             warmup_max_lr = [group["lr"] for group in self.optimizer.param_groups]
         self.min_lrs = per_group(self.optimizer, warmup_min_lr, "min_lr")
         self.max_lrs = per_group(self.optimizer, warmup_max_lr, "max_lr")
-        self.delta_lrs = [big - small for big, small in zip(self.max_lrs, self.min_lrs)]
+        self.delta_lrs = [big - small
+                          for big, small in zip(self.max_lrs, self.min_lrs, strict=False)]
         self.warmup_num_steps = steps
         self.warmup_type = _warmup_type(warmup_type)
         self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
@@ -120,7 +121,7 @@ class WarmupLR(DeepSpeedSchedule):
         if self.last_batch_iteration < 0:
             return self.min_lrs
         gamma = self._get_gamma()
-        return [lo + delta * gamma for lo, delta in zip(self.min_lrs, self.delta_lrs)]
+        return [lo + delta * gamma for lo, delta in zip(self.min_lrs, self.delta_lrs, strict=False)]
 
     def _warmup_gamma(self) -> float:
         if self.warmup_type == WARMUP_LOG_RATE:
@@ -285,7 +286,7 @@ class OneCycle(DeepSpeedSchedule):
         self.min_moms = [(m, 0.99) for m in per_group(self.optimizer, min_mom, "cycle_min_mom")]
         self.max_moms = [(m, 0.99) for m in per_group(self.optimizer, max_mom, "cycle_max_mom")]
         if last_batch_iteration == -1:
-            for momentum, group in zip(self.min_moms, self.optimizer.param_groups):
+            for momentum, group in zip(self.min_moms, self.optimizer.param_groups, strict=False):
                 group["betas"] = momentum
         if math.isclose(self.decay_mom_rate, 0):
             self.skip_mom_decay = True
@@ -312,7 +313,8 @@ class OneCycle(DeepSpeedSchedule):
     def get_lr(self) -> list:
         if self.last_batch_iteration < self.total_size:
             scale = self._scale_factor()
-            return [lo + (hi - lo) * scale for lo, hi in zip(self.min_lrs, self.max_lrs)]
+            return [lo + (hi - lo) * scale
+                    for lo, hi in zip(self.min_lrs, self.max_lrs, strict=False)]
         if self.skip_lr_decay:
             return self.min_lrs
         interval = (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size
@@ -325,7 +327,7 @@ class OneCycle(DeepSpeedSchedule):
         if self.last_batch_iteration < self.total_size:
             scale = self._scale_factor()
             return [(hi[0] - (hi[0] - lo[0]) * scale, lo[1])
-                    for lo, hi in zip(self.min_moms, self.max_moms)]
+                    for lo, hi in zip(self.min_moms, self.max_moms, strict=False)]
         if self.skip_mom_decay:
             return self.max_moms
         interval = (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size
@@ -335,7 +337,7 @@ class OneCycle(DeepSpeedSchedule):
     def step(self, batch_iteration: int | None = None) -> None:
         super().step(batch_iteration)
         if self.cycle_momentum:
-            for group, momentum in zip(self.optimizer.param_groups, self.get_mom()):
+            for group, momentum in zip(self.optimizer.param_groups, self.get_mom(), strict=False):
                 group["betas"] = momentum
 
 

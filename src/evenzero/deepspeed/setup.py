@@ -54,7 +54,8 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
                model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
-               distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
+               distributed_port: int = 29500, mpu: Any = None,
+               dist_init_required: bool | None = None,
                collate_fn: Callable | None = None, config: Any = None, mesh_param: Any = None,
                config_params: Any = None) -> tuple[DeepSpeedEngine, Any, Any, Any]:
     """`deepspeed.initialize`: returns `(engine, optimizer, training_dataloader, lr_scheduler)`,
