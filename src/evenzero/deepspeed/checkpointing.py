@@ -20,7 +20,6 @@ str, int, float, bool, None, tensors); anything else is an error naming the type
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-logger = logging.getLogger("evenzero.deepspeed")
+from evenzero.deepspeed.log import info_rank0, warning_rank0
 
 LATEST = "latest"
 ENGINE_MARK = "evenzero_deepspeed"
@@ -59,7 +58,7 @@ def save_engine(engine: Any, save_dir: str, tag: Any, client_state: dict, save_l
     if save_latest and dist.get_rank() == 0:
         _write_latest(Path(save_dir), tag)
     dist.barrier()
-    logger.info("evenzero.deepspeed: saved checkpoint %s", path)
+    info_rank0("saved checkpoint %s", path)
     return True
 
 
@@ -97,7 +96,7 @@ def load_engine(engine: Any, load_dir: str, tag: Any, load_module_strict: bool,
     if tag is None:
         latest = root / LATEST
         if not latest.is_file():
-            logger.warning("Unable to find latest file at %s, if trying to load latest "
+            warning_rank0("Unable to find latest file at %s, if trying to load latest "
                            "checkpoint please ensure this file exists or pass an explicit "
                            "checkpoint tag when loading a checkpoint.", latest)
             return None, None

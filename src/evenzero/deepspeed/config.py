@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import logging
 import math
 import os
 from collections.abc import Mapping
@@ -36,7 +35,6 @@ from evenzero.deepspeed.config_keys import (
     DeepSpeedConfigError,
 )
 
-logger = logging.getLogger("evenzero.deepspeed")
 
 @dataclass(frozen=True)
 class BatchSizes:
@@ -100,6 +98,8 @@ class EngineConfig:
     use_data_before_expert_parallelism: bool
     no_ops: tuple[tuple[str, str], ...]
     """(key, why it changes nothing here) for every accepted no-op key present."""
+    unknown_keys: tuple[str, ...] = ()
+    """Top-level keys DeepSpeed does not know (DeepSpeed ignores them; a warning says so)."""
 
 
 def load_config(config: Any) -> dict:
@@ -162,10 +162,6 @@ def parse_config(raw: Mapping[str, Any], world_size: int) -> EngineConfig:
             _refuse_section(key, value, REFUSED_SECTIONS[key])
         else:
             unknown.append(key)
-    if unknown:
-        # DeepSpeed ignores keys it does not know; so does evenzero, but says so.
-        logger.warning("evenzero.deepspeed: ignoring config keys DeepSpeed does not know "
-                       "either: %s", ", ".join(sorted(unknown)))
     zero, zero_no_ops = _zero_section(raw.get("zero_optimization", {}))
     no_ops += zero_no_ops
     precision = _precision(raw)
@@ -189,7 +185,7 @@ def parse_config(raw: Mapping[str, Any], world_size: int) -> EngineConfig:
         dataloader_drop_last=bool(raw.get("dataloader_drop_last", False)),
         use_data_before_expert_parallelism=bool(raw.get("use_data_before_expert_parallelism",
                                                         False)),
-        no_ops=tuple(no_ops))
+        no_ops=tuple(no_ops), unknown_keys=tuple(sorted(unknown)))
 
 
 def batch_sizes(raw: Mapping[str, Any], world_size: int) -> BatchSizes:

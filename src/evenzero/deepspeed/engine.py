@@ -20,7 +20,6 @@ The module, optimizer and data loader are set up in `evenzero.deepspeed.setup`.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -31,8 +30,7 @@ from evenzero.deepspeed.boundary import StepPolicy, boundary_step
 from evenzero.deepspeed.config import EngineConfig
 from evenzero.deepspeed.engine_optimizer import EngineOptimizer
 from evenzero.deepspeed.launch import Placement
-
-logger = logging.getLogger("evenzero.deepspeed")
+from evenzero.deepspeed.log import logger
 
 
 class DeepSpeedEngine(torch.nn.Module):

@@ -19,7 +19,6 @@ refused rather than started as several unrelated single-process runs.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-logger = logging.getLogger("evenzero.deepspeed")
+from evenzero.deepspeed.log import logger
 
 DEFAULT_PORT = 29500  # deepspeed/constants.py@0.19.8:12
 REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
@@ -80,7 +79,7 @@ def fill_env_from_launcher(distributed_port: int = DEFAULT_PORT) -> str:
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    logger.info("evenzero.deepspeed: no launcher environment found; running as one process")
+    logger.info("no launcher environment found; running as one process")
     return "single"
 
 
@@ -140,8 +139,8 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                           "deepspeed.initialize()")
     if auto_mpi_discovery and init_method is None:
         source = fill_env_from_launcher(distributed_port)
-        if verbose:
-            logger.info("evenzero.deepspeed: ranks from %s: rank %s of %s, local rank %s",
+        if verbose and os.environ["RANK"] == "0":
+            logger.info("ranks from %s: rank %s of %s, local rank %s",
                         source, os.environ["RANK"], os.environ["WORLD_SIZE"],
                         os.environ["LOCAL_RANK"])
     backend = dist_backend or default_backend()

@@ -18,11 +18,9 @@ the same model.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-logger = logging.getLogger("evenzero.deepspeed")
+from evenzero.deepspeed.log import info_rank0, warning_rank0
 
 
 class LossScaleAtMinimum(Exception):
@@ -66,7 +64,7 @@ class DeepSpeedLossScaler:
         """One boundary step's outcome (deepspeed/runtime/fp16/loss_scaler.py@0.19.8:253)."""
         if not self.dynamic:
             if overflow:
-                logger.warning("[evenzero.deepspeed] OVERFLOW! Skipping step. Gradients are "
+                warning_rank0("OVERFLOW! Skipping step. Gradients are "
                                "non-finite, weights were not updated.")
             return
         if overflow:
@@ -75,11 +73,11 @@ class DeepSpeedLossScaler:
                     raise LossScaleAtMinimum("Current loss scale already at minimum - cannot "
                                              "decrease scale anymore. Exiting run.")
                 nxt = max(self.cur_scale / self.scale_factor, self.min_scale)
-                logger.info("[evenzero.deepspeed] OVERFLOW! Skipping step. Attempted loss "
+                info_rank0("OVERFLOW! Skipping step. Attempted loss "
                             "scale: %s, reducing to %s", self.cur_scale, nxt)
                 self.cur_scale = nxt
             else:
-                logger.info("[evenzero.deepspeed] OVERFLOW! Skipping step. Attempted loss "
+                info_rank0("OVERFLOW! Skipping step. Attempted loss "
                             "scale: %s, but hysteresis is %s. Reducing hysteresis to %s",
                             self.cur_scale, self.cur_hysteresis, self.cur_hysteresis - 1)
                 self.cur_hysteresis -= 1

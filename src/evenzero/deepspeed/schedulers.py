@@ -11,13 +11,12 @@ of the optimizer runs with the LR of iteration k-2 (the constructor's for k = 1)
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Any
 
 import torch
 
-logger = logging.getLogger("evenzero.deepspeed")
+from evenzero.deepspeed.log import warning_rank0
 
 WARMUP_LOG_RATE, WARMUP_LINEAR_RATE = "log", "linear"
 
@@ -89,7 +88,7 @@ def _warmup_steps(warmup_num_steps: Any) -> int:
 
 def _warmup_type(warmup_type: str) -> str:
     if warmup_type not in (WARMUP_LOG_RATE, WARMUP_LINEAR_RATE):
-        logger.warning("Using unknown warmup_type: %s. The increasing function is set to "
+        warning_rank0("Using unknown warmup_type: %s. The increasing function is set to "
                        "default (log)", warmup_type)
         return WARMUP_LOG_RATE
     return warmup_type
@@ -145,8 +144,8 @@ class WarmupDecayLR(WarmupLR):
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
                          last_batch_iteration)
         if self.total_num_steps < self.warmup_num_steps:
-            logger.warning("total_num_steps %s is less than warmup_num_steps %s",
-                           total_num_steps, warmup_num_steps)
+            warning_rank0("total_num_steps %s is less than warmup_num_steps %s",
+                          total_num_steps, warmup_num_steps)
 
     def _get_gamma(self) -> float:
         if self.last_batch_iteration < self.warmup_num_steps:
@@ -172,8 +171,8 @@ class WarmupCosineLR(DeepSpeedSchedule):
         self.warmup_num_steps = steps
         self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
         if self.total_num_steps < self.warmup_num_steps:
-            logger.warning("total_num_steps %s is less than warmup_num_steps %s",
-                           total_num_steps, warmup_num_steps)
+            warning_rank0("total_num_steps %s is less than warmup_num_steps %s",
+                          total_num_steps, warmup_num_steps)
         self.org_lrs = [g["lr"].clone() if torch.is_tensor(g["lr"]) else g["lr"]
                         for g in self.optimizer.param_groups]
         if last_batch_iteration == -1:
@@ -277,7 +276,7 @@ class OneCycle(DeepSpeedSchedule):
 
     def _init_momentum(self, min_mom, max_mom, decay_mom_rate, last_batch_iteration) -> None:
         if "betas" not in self.optimizer.defaults:
-            logger.warning("cycle_momentum is disabled because optimizer %s does not support "
+            warning_rank0("cycle_momentum is disabled because optimizer %s does not support "
                            "momentum, no betas attribute in defaults",
                            type(self.optimizer).__name__)
             self.cycle_momentum = False

@@ -16,7 +16,6 @@ or a script that sets `opt.param_groups[i]['lr']`, keeps working.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +33,7 @@ from evenzero.deepspeed.dataloader import DeepSpeedDataLoader
 from evenzero.deepspeed.engine import DeepSpeedEngine
 from evenzero.deepspeed.engine_optimizer import EngineOptimizer
 from evenzero.deepspeed.launch import default_backend, init_distributed, placement
+from evenzero.deepspeed.log import info_rank0, warning_rank0
 from evenzero.deepspeed.loss_scaler import DeepSpeedLossScaler, ZeroScaleBridge
 from evenzero.deepspeed.moe import broadcast_parameters, deepspeed_moe_layers, expert_groups
 from evenzero.deepspeed.optimizers import (
@@ -46,8 +46,6 @@ from evenzero.deepspeed.optimizers import (
     zero_param_groups,
 )
 from evenzero.deepspeed.schedulers import schedule_from_config
-
-logger = logging.getLogger("evenzero.deepspeed")
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -73,7 +71,11 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     raw = load_config(_config_source(args, config, config_params))
     cfg = parse_config(raw, dist.get_world_size())
     for key, why in cfg.no_ops:
-        logger.info("evenzero.deepspeed: %s is accepted and changes nothing here: %s", key, why)
+        info_rank0("config key %s is accepted and changes nothing here: %s", key, why)
+    if cfg.unknown_keys:
+        # DeepSpeed ignores keys it does not know; so does evenzero, but says so.
+        warning_rank0("ignoring config keys DeepSpeed does not know either: %s",
+                      ", ".join(cfg.unknown_keys))
     place = placement(args)
     _prepare_module(model, cfg, place.device)
     groups = expert_groups(model, default_backend() if place.device.type == "cpu" else "nccl",
@@ -103,7 +105,7 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     if config is None and config_params is not None:
         config = config_params
     if getattr(args, "deepscale_config", None) is not None:
-        logger.warning("--deepscale_config is deprecated, please use --deepspeed_config")
+        warning_rank0("--deepscale_config is deprecated, please use --deepspeed_config")
         if getattr(args, "deepspeed_config", None) is not None:
             raise AssertionError("Not sure how to proceed, we were given both a deepscale_config "
                                  "and deepspeed_config")
