@@ -35,6 +35,8 @@ MICRO = 3
 def _config(world: int, fp16: bool = False) -> dict:
     cfg = copy.deepcopy(CASES["fp16_zero2" if fp16 else "zero2_adam"])
     cfg.update(train_micro_batch_size_per_gpu=MICRO, gradient_accumulation_steps=CHUNKS // world)
+    if fp16:  # far too high: the first steps overflow, then the scale settles
+        cfg["fp16"] = {**cfg["fp16"], "initial_scale_power": 24}
     cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {
         "total_num_steps": 10, "warmup_min_lr": 1e-3, "warmup_max_lr": 8e-3,
         "warmup_num_steps": 3, "warmup_type": "linear"}}
@@ -44,6 +46,7 @@ def _config(world: int, fp16: bool = False) -> dict:
 def _engine(world: int, fp16: bool = False):
     import evenzero.deepspeed as deepspeed
 
+    torch.manual_seed(0)
     model = Net()
     engine, *_ = deepspeed.initialize(model=model, config=_config(world, fp16),
                                       model_parameters=model.parameters())
@@ -223,7 +226,7 @@ def test_fp16_loss_scale_resumes(tmp_path):
     root = str(tmp_path)
     ref = run_distributed(save_and_continue, 2, (root, True), timeout=300)[0]
     got = run_distributed(resume, 2, (root, True), timeout=300)[0]
-    assert got["loaded"]["scale"] == ref["saved"]["scale"] != 2.0 ** 18
+    assert got["loaded"]["scale"] == ref["saved"]["scale"] < 2.0 ** 24
     assert got["loaded"]["skipped"] == ref["saved"]["skipped"] > 0
     assert got["final"]["scale"] == ref["final"]["scale"]
     _close(got["final"]["params"], ref["final"]["params"], 0.0)
