@@ -99,6 +99,10 @@ CASES: dict[str, dict] = {
                             scheduler={"type": "WarmupLR", "params": {
                                 "warmup_min_lr": 1e-3, "warmup_max_lr": 8e-3,
                                 "warmup_num_steps": 4, "warmup_type": "linear"}}),
+    # `optimizer.zero_grad()` after every micro-step: DeepSpeed's ZeRO keeps the gradients
+    # already reduced into its partitions (stage 2) and drops the local ones (stage 1).
+    "zero1_zero_grad": _base(1, gradient_clipping=0.0, optimizer=_adam()),
+    "zero2_zero_grad": _base(2, gradient_clipping=0.0, optimizer=_adam()),
     # Plain `loss.backward()` (DeepSpeed divides by the accumulation steps in output hooks).
     "zero2_torch_backward": _base(2, gradient_clipping=0.3, optimizer=_adam()),
     # MoE with deepspeed.moe.layer.MoE, expert-parallel size 2 and 1.
@@ -212,7 +216,7 @@ def own_loader(engine) -> torch.utils.data.DataLoader:
 
 
 def train(deepspeed, case: str, args=None, epochs: int = EPOCHS) -> dict:
-    engine, _optimizer, loader, scheduler = initialize(deepspeed, case, args)
+    engine, optimizer, loader, scheduler = initialize(deepspeed, case, args)
     loader = loader if loader is not None else own_loader(engine)
     dtype = (torch.bfloat16 if engine.bfloat16_enabled() else
              torch.float16 if engine.fp16_enabled() else None)
@@ -231,6 +235,8 @@ def train(deepspeed, case: str, args=None, epochs: int = EPOCHS) -> dict:
             else:
                 engine.backward(loss)
             engine.step()
+            if case.endswith("_zero_grad"):
+                optimizer.zero_grad()
             losses.append(loss.item())
             lrs.append(engine.get_lr())
             scales.append(getattr(engine.optimizer, "cur_scale", 1.0))

@@ -30,7 +30,7 @@ LOOSE = {"bf16_zero2": (2e-3, 4e-3), "fp16_zero2": (2e-4, 5e-4),
          "zero2_fused_adam": (FP32_TOL, FP32_TOL)}
 DEFAULT_CASES = ("zero2_adam", "zero1_adam_l2", "zero2_sgd_cosine", "zero1_onecycle",
                  "zero2_lrrange", "zero0_adam", "client_optimizer", "zero2_torch_backward",
-                 "zero2_nan_step",
+                 "zero2_nan_step", "zero1_zero_grad", "zero2_zero_grad",
                  "moe_ep2", "moe_ep1", "bf16_zero2", "fp16_zero2")
 SLOW_CASES = ("zero2_fused_adam",)
 

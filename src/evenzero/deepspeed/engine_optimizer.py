@@ -53,7 +53,16 @@ class EngineOptimizer:
         return self.loss_scaler.dynamic
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.zero.zero_grad(set_to_none)
+        """Clear the parameters' local gradients only, as DeepSpeed's ZeRO optimizer does
+        (deepspeed/runtime/zero/stage_1_and_2.py@0.19.8:2613): gradients already reduced
+        into this rank's shards in this accumulation window are kept, so a script calling
+        `optimizer.zero_grad()` after every micro-step accumulates as under DeepSpeed."""
+        for p in self.zero.params.values():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.detach_()
+                p.grad.zero_()
 
     def step(self, closure=None) -> None:
         raise RuntimeError("call engine.step() (it steps this optimizer at accumulation "
