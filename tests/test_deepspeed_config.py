@@ -273,3 +273,15 @@ def test_loss_scaler_from_config_and_state_round_trip():
     assert (static.cur_scale, static.dynamic) == (128.0, False)
     with pytest.raises(ValueError, match="dynamic"):
         static.load_state_dict(s.state_dict())
+
+
+def test_importing_does_not_import_deepspeed():
+    """`import evenzero.deepspeed` must not import DeepSpeed (nor need it installed);
+    `deepspeed.moe.layer` is DeepSpeed's, imported on first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, evenzero.deepspeed as ds; assert 'deepspeed' not in sys.modules; "
+            "ds.comm.get_rank(); ds.WarmupLR; ds.initialize; "
+            "assert 'deepspeed' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
