@@ -91,6 +91,8 @@ CASES: dict[str, dict] = {
                             "warmup_num_steps": 5, "warmup_type": "log"}}),
     # Client optimizer (two param groups) and client LR scheduler, ZeRO-2.
     "client_optimizer": _base(2, gradient_clipping=0.4),
+    # Client optimizer `deepspeed.ops.adam.FusedAdam` (DeepSpeed's CPU op vs evenzero's).
+    "client_fused_adam": _base(2, gradient_clipping=0.3),
     # DeepSpeed's FusedAdam (no torch_adam): needs DeepSpeed's CPU op built.
     "zero2_fused_adam": _base(2, gradient_clipping=0.3, optimizer={
         "type": "Adam", "params": {"lr": 5e-3, "weight_decay": 0.01}}),
@@ -195,6 +197,9 @@ def initialize(deepspeed, case: str, args=None):
                                  {"params": no_decay, "weight_decay": 0.0}], lr=4e-3)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.3 * s))
         kwargs = {"optimizer": opt, "lr_scheduler": sched}
+    elif case == "client_fused_adam":
+        opt = deepspeed.ops.adam.FusedAdam(model.parameters(), lr=5e-3, weight_decay=0.01)
+        kwargs = {"optimizer": opt}
     elif case.startswith("moe_"):
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 

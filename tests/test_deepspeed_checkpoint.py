@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from dist_helpers import CheckResults, run_checks, run_distributed
 from ds_train_script import CASES, Net
 
+
 def _has_tagged_checkpoints() -> bool:
     import inspect
 

@@ -27,12 +27,12 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install
 FP32_TOL = 1e-5
 # (loss tolerance, parameter tolerance) for cases whose arithmetic is not fp32.
 LOOSE = {"bf16_zero2": (2e-3, 4e-3), "fp16_zero2": (2e-4, 5e-4),
-         "zero2_fused_adam": (FP32_TOL, FP32_TOL)}
+         "zero2_fused_adam": (FP32_TOL, FP32_TOL), "client_fused_adam": (FP32_TOL, FP32_TOL)}
 DEFAULT_CASES = ("zero2_adam", "zero1_adam_l2", "zero2_sgd_cosine", "zero1_onecycle",
                  "zero2_lrrange", "zero0_adam", "client_optimizer", "zero2_torch_backward",
                  "zero2_nan_step", "zero1_zero_grad", "zero2_zero_grad",
                  "moe_ep2", "moe_ep1", "bf16_zero2", "fp16_zero2")
-SLOW_CASES = ("zero2_fused_adam",)
+SLOW_CASES = ("zero2_fused_adam", "client_fused_adam")
 
 
 def compare(a: dict, b: dict, case: str) -> dict:
@@ -148,9 +148,11 @@ def test_same_as_deepspeed(case):
 
 
 @pytest.mark.slow
-def test_fused_adam_same_as_deepspeed():
-    """DeepSpeed's FusedAdam (its JIT-built CPU kernel) against torch AdamW."""
-    JOB.assert_passed("zero2_fused_adam", 2, SLOW_CASES)
+@pytest.mark.parametrize("case", SLOW_CASES)
+def test_fused_adam_same_as_deepspeed(case):
+    """DeepSpeed's FusedAdam (its JIT-built CPU kernel, built on first use) from the config
+    and as a client optimizer, against evenzero's FusedAdam."""
+    JOB.assert_passed(case, 2, SLOW_CASES)
 
 
 def _figures_job(rank: int, world: int, cases: tuple[str, ...]) -> dict:

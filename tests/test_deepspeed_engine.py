@@ -146,6 +146,26 @@ def check_client_optimizer_keeps_user_lr_changes() -> None:
     assert engine.get_lr() == [0.0] and engine.optimizer.optimizer is opt
 
 
+def check_client_fused_adam_equals_config_adam() -> None:
+    """`deepspeed.ops.adam.FusedAdam` as the client optimizer (evenzero's, under the alias)
+    trains exactly like `{"type": "Adam"}` in the config."""
+    import evenzero.deepspeed as deepspeed
+
+    cfg = _config(2, optimizer={"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.1}})
+    by_config = _engine(cfg)
+    model = _model()
+    client = deepspeed.ops.adam.FusedAdam(model.parameters(), lr=0.01, weight_decay=0.1)
+    del cfg["optimizer"]
+    by_client = _engine(cfg, model, optimizer=client)
+    for engine in (by_config, by_client):
+        for i in range(4):
+            engine.backward(_loss(engine, i))
+            engine.step()
+    assert by_client.optimizer.optimizer is client
+    for a, b in zip(_params(by_config), _params(by_client), strict=True):
+        assert torch.equal(a, b)
+
+
 def check_client_scheduler_callable() -> None:
     engine = _engine(_config(2), lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(
         o, step_size=1, gamma=0.5))

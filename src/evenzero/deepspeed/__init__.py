@@ -10,7 +10,9 @@ evenzero, changing only that import.
 
 The names here mirror the DeepSpeed 0.19.8 API such a script uses: `initialize`,
 `init_distributed`, `add_config_arguments`, `DeepSpeedEngine`, `comm`, `moe` (DeepSpeed's
-own MoE layer, imported lazily when DeepSpeed is installed) and the LR schedules. What
+own MoE layer, imported lazily when DeepSpeed is installed), the LR schedules (also as
+`runtime.lr_schedules`), `ops.adam.FusedAdam` / `DeepSpeedCPUAdam` (their CPU kernel's
+arithmetic in PyTorch) and `utils.logger` / `utils.log_dist`. What
 each config key maps to, what is accepted as a no-op and what is refused: docs/why.md,
 "Switching from DeepSpeed in one line". DeepSpeed itself is never imported here.
 """
@@ -18,6 +20,7 @@ each config key maps to, what is accepted as a no-op and what is refused: docs/w
 from __future__ import annotations
 
 import importlib
+from types import SimpleNamespace
 from typing import Any
 
 from evenzero.deepspeed import comm
@@ -42,7 +45,14 @@ __version__ = "0.19.8"
 def __getattr__(name: str) -> Any:
     if name == "moe":
         return importlib.import_module("evenzero.deepspeed.moe")
-    if name in ("zero", "checkpointing", "pipe", "ops", "runtime"):
+    if name in ("runtime", "utils"):
+        return importlib.import_module(f"evenzero.deepspeed.{name}")
+    if name == "ops":
+        from evenzero.deepspeed.fused_adam import DeepSpeedCPUAdam, FusedAdam
+
+        return SimpleNamespace(adam=SimpleNamespace(FusedAdam=FusedAdam,
+                                                    DeepSpeedCPUAdam=DeepSpeedCPUAdam))
+    if name in ("zero", "checkpointing", "pipe"):
         raise AttributeError(f"deepspeed.{name} is not provided by evenzero.deepspeed: "
                              f"{_MISSING[name]}")
     raise AttributeError(f"module 'evenzero.deepspeed' has no attribute {name!r}")
@@ -53,9 +63,6 @@ _MISSING = {
     "checkpointing": "use torch.utils.checkpoint(use_reentrant=False) for activation "
                      "checkpointing",
     "pipe": "pipeline parallelism is not supported",
-    "ops": "DeepSpeed's kernels are not provided; configure the optimizer in the config or "
-           "pass a torch.optim optimizer",
-    "runtime": "use evenzero.deepspeed's names directly (e.g. deepspeed.WarmupLR)",
 }
 
 __all__ = ["DeepSpeedConfigError", "DeepSpeedDataLoader", "DeepSpeedEngine",

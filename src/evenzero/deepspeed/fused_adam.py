@@ -72,6 +72,20 @@ class FusedAdam(torch.optim.Optimizer):
         super().zero_grad(set_to_none=self.set_grad_none or set_to_none)
 
 
+class DeepSpeedCPUAdam(FusedAdam):
+    """`deepspeed.ops.adam.DeepSpeedCPUAdam`'s signature; on the CPU DeepSpeed runs the same
+    `Step_1` kernel for it (deepspeed/ops/adam/cpu_adam.py@0.19.8)."""
+
+    def __init__(self, model_params, lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0, amsgrad: bool = False, adamw_mode: bool = True,
+                 fp32_optimizer_states: bool = True) -> None:
+        del fp32_optimizer_states  # state is always fp32 here
+        super().__init__(model_params, lr=lr, bias_correction=bias_correction, betas=betas,
+                         eps=eps, adam_w_mode=adamw_mode, weight_decay=weight_decay,
+                         amsgrad=amsgrad)
+
+
 def _f32(x: float) -> float:
     """`x` rounded to float32, as the kernel holds its scalars."""
     return float(torch.tensor(x, dtype=torch.float32))

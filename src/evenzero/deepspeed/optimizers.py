@@ -112,7 +112,7 @@ def optimizer_from_client(optimizer: torch.optim.Optimizer) -> OptimizerChoice:
 
 def declared_elementwise(cls: type) -> bool | None:
     """True for Adam kernels known to be elementwise that torch's list does not name."""
-    if cls is FusedAdam or (cls.__module__.startswith("deepspeed.ops.adam")
+    if issubclass(cls, FusedAdam) or (cls.__module__.startswith("deepspeed.ops.adam")
                             and cls.__name__ in DEEPSPEED_ELEMENTWISE):
         return True
     return None
