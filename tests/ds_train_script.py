@@ -118,7 +118,8 @@ CASES: dict[str, dict] = {
                         scheduler={"type": "WarmupLR", "params": {
                             "warmup_min_lr": 1e-3, "warmup_max_lr": 8e-3,
                             "warmup_num_steps": 4, "warmup_type": "linear"}}),
-    # bf16 parameters, fp32 masters.
+    # bf16 parameters, fp32 masters, at stage 2 and at stage 0.
+    "bf16_zero0": _base(0, bf16={"enabled": True}, gradient_clipping=0.5, optimizer=_adam()),
     "bf16_zero2": _base(2, bf16={"enabled": True}, gradient_clipping=0.5, optimizer=_adam()),
 }
 CASES["zero2_fused_adam"]["scheduler"] = CASES["zero2_adam"]["scheduler"]

@@ -25,26 +25,26 @@ from dist_helpers import CheckResults, run_checks, run_distributed
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install deepspeed)")
 
 FP32_TOL = 1e-5
-# (loss tolerance, parameter tolerance) for cases whose arithmetic is not fp32.
-LOOSE = {"bf16_zero2": (2e-3, 4e-3), "fp16_zero2": (2e-4, 5e-4),
-         "zero2_fused_adam": (FP32_TOL, FP32_TOL), "client_fused_adam": (FP32_TOL, FP32_TOL)}
+# (loss, parameter, relative gradient-norm) tolerances of cases whose arithmetic is not
+# fp32: bf16 and fp16 round differently along the way (evenzero accumulates in fp32).
+LOOSE = {"bf16_zero2": (2e-3, 4e-3, 2e-3), "bf16_zero0": (2e-3, 4e-3, 2e-3),
+         "fp16_zero2": (2e-4, 5e-4, 2e-3)}
 DEFAULT_CASES = ("zero2_adam", "zero1_adam_l2", "zero2_sgd_cosine", "zero1_onecycle",
                  "zero2_lrrange", "zero0_adam", "client_optimizer", "zero2_torch_backward",
                  "zero2_nan_step", "zero1_zero_grad", "zero2_zero_grad",
-                 "moe_ep2", "moe_ep1", "bf16_zero2", "fp16_zero2")
+                 "moe_ep2", "moe_ep1", "bf16_zero2", "bf16_zero0", "fp16_zero2")
 SLOW_CASES = ("zero2_fused_adam", "client_fused_adam")
 
 
 def compare(a: dict, b: dict, case: str) -> dict:
     """Figures of one case; raises AssertionError past the tolerances."""
-    loss_tol, param_tol = LOOSE.get(case, (FP32_TOL, FP32_TOL))
+    loss_tol, param_tol, rel = LOOSE.get(case, (FP32_TOL, FP32_TOL, FP32_TOL))
     assert len(a["losses"]) == len(b["losses"]) > 0
     nan = [math.isnan(x) for x in a["losses"]]
     assert nan == [math.isnan(y) for y in b["losses"]], (a["losses"], b["losses"])
     norms = [(x, y) for x, y in zip(a["grad_norms"], b["grad_norms"], strict=True) if x != y]
-    rel = 1e-5 if case not in ("bf16_zero2", "fp16_zero2") else 2e-3
     assert all(x is not None and y is not None and math.isfinite(x) and
-               abs(x - y) <= rel * max(1.0, abs(x)) for x, y in norms), (case, norms[:3])
+               abs(x - y) <= rel * max(1.0, abs(x)) for x, y in norms), (case, norms)
     fig = {
         "micro_steps": len(a["losses"]),
         "optimizer_steps": a["global_steps"],

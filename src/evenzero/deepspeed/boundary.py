@@ -16,7 +16,8 @@ bridge's divisor, so the gradients are scaled exactly once, as in DeepSpeed.
 Stage 0 (plain data parallelism in DeepSpeed) runs on ZeRO-1 here: with an elementwise
 optimizer sharding its state changes nothing in the result. DeepSpeed's stage-0 fp32 step
 clips with `min(1, clip/(norm+1e-6))` (deepspeed/runtime/utils.py@0.19.8:356-425), which is
-exactly `ZeroOptimizer.clip_grad_norm_`, and never skips a step.
+exactly `ZeroOptimizer.clip_grad_norm_`, and never skips a step. Its stage-0 bf16 wrapper
+skips non-finite steps and clips like ZeRO, so it takes the ZeRO path.
 
 Where DeepSpeed would apply a non-finite update (stage 0; bf16 with
 `check_grad_overflow: false`; fp32 ZeRO with `compute_grad_norm: false`) the step raises

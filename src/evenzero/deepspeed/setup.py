@@ -8,7 +8,8 @@ parameter broadcast from its source rank, data loader, optimizer, LR schedule.
 
 The optimizer is always a `ZeroOptimizer`: stage 1 or 2 as configured, and stage 0
 (plain data parallelism in DeepSpeed) on stage 1, which gives the same result for an
-elementwise optimizer with the optimizer state sharded. A client optimizer object is
+elementwise optimizer with the optimizer state sharded (fp32, and bf16 with DeepSpeed's
+initial zero-gradient step; fp16 at stage 0 is refused). A client optimizer object is
 kept as the optimizer that steps the shards (its param groups now hold them, as
 DeepSpeed's ZeRO swaps in its flat partitions), so a client LR scheduler built on it,
 or a script that sets `opt.param_groups[i]['lr']`, keeps working.
@@ -136,6 +137,10 @@ def _prepare_module(model: torch.nn.Module, cfg: EngineConfig, device: torch.dev
 
 def _policy(cfg: EngineConfig) -> StepPolicy:
     p, zero = cfg.precision, cfg.zero
+    if zero.stage == 0 and p.bf16:
+        # DeepSpeed's stage-0 bf16 wrapper skips non-finite steps and clips like ZeRO
+        # (deepspeed/runtime/fp16/unfused_optimizer.py@0.19.8).
+        return StepPolicy(cfg.gradient_clipping, False, True)
     if zero.stage == 0:
         return StepPolicy(cfg.gradient_clipping, True, False, "ZeRO stage 0 never skips a step")
     if p.bf16 and not p.bf16_check_grad_overflow:
@@ -149,11 +154,15 @@ def _policy(cfg: EngineConfig) -> StepPolicy:
 def _check_stage0(cfg: EngineConfig, model: torch.nn.Module, groups: dict) -> None:
     if cfg.zero.stage != 0:
         return
-    if cfg.precision.fp16 or cfg.precision.bf16:
+    if cfg.precision.fp16:
+        # DeepSpeed 0.19.8's engine.backward scales the loss only for ZeRO optimizers, but
+        # its stage-0 FP16 wrappers still unscale the gradients: every update comes out
+        # divided by the loss scale (measured: SGD lr 1 moved a weight by 1/256 at scale
+        # 2**8, by 1 at stage 1). That is not something to reproduce.
         raise DeepSpeedConfigError(
-            "zero_optimization.stage 0 with fp16/bf16 is not supported: DeepSpeed runs it "
-            "through its FP16_Optimizer/BF16_Optimizer, whose loss scaling and clipping differ "
-            "from ZeRO's; use stage 1 (same result as ZeRO, optimizer state sharded)")
+            "zero_optimization.stage 0 with fp16 is not supported: DeepSpeed 0.19.8 does not "
+            "scale the loss on this path but unscales the gradients, so its updates are "
+            "divided by the loss scale; use stage 1 (fp16 loss scaling as DeepSpeed's ZeRO)")
     if groups and cfg.gradient_clipping > 0:
         raise DeepSpeedConfigError(
             "zero_optimization.stage 0 with MoE layers and gradient_clipping > 0 is not "
@@ -192,9 +201,26 @@ def _build_optimizer(model: torch.nn.Module, cfg: EngineConfig, client: Any, mod
     zero = ZeroOptimizer(model, choice.cls, zero_groups, config=zcfg, **choice.kwargs)
     if client is not None:
         _adopt_client(zero, client)
+    if cfg.zero.stage == 0 and cfg.precision.bf16:
+        _initial_zero_gradient_step(zero)
     scaler = DeepSpeedLossScaler.from_precision(cfg.precision)
     zero.loss_scaler = ZeroScaleBridge(scaler)
     return EngineOptimizer(zero, scaler), name
+
+
+@torch.no_grad()
+def _initial_zero_gradient_step(zero: Any) -> None:
+    """DeepSpeed's stage-0 mixed-precision wrappers step the optimizer once with zero
+    gradients when they are built (`initialize_optimizer_states`,
+    deepspeed/runtime/fp16/fused_optimizer.py@0.19.8:125 and unfused_optimizer.py:412), so
+    Adam's step count starts at 1 and decoupled weight decay is applied once to the fp32
+    masters (not to the model's bf16 weights until the first real step). Same here."""
+    masters = [zero.master_shard(g.name) for g in zero.plan.groups]
+    for m in masters:
+        m.grad = torch.zeros_like(m)
+    zero.optimizer.step()
+    for m in masters:
+        m.grad = None
 
 
 def _adopt_client(zero: Any, client: torch.optim.Optimizer) -> None:
