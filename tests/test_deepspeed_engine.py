@@ -193,6 +193,13 @@ def check_refused_setups_fail_on_every_rank() -> None:
     model = _model()
     with pytest.raises(Exception, match="is in no parameter group"):  # subset: clear error
         _engine(_config(2), model, model_parameters=list(model[0].parameters()))
+    model = _model()
+    adagrad = _config(2, optimizer={"type": "Adagrad", "params": {"lr": 0.1}})
+    with pytest.raises(DeepSpeedConfigError, match="DeepSpeed rebuilds Adagrad"):
+        _engine(adagrad, model, model_parameters=[
+            {"params": list(model[0].parameters()), "lr": 0.5},
+            {"params": list(model[2].parameters())}])
+    _engine(adagrad)  # one set of options: as DeepSpeed
     with pytest.raises(AssertionError, match="requires an optimizer"):
         cfg = _config(1)
         del cfg["optimizer"]

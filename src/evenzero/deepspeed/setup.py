@@ -89,7 +89,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                                      collate_fn=collate_fn, drop_last=cfg.dataloader_drop_last)
     engine_opt, name, scheduler = None, None, None
     if optimizer is not None or cfg.optimizer is not None:
-        engine_opt, name = _build_optimizer(model, cfg, optimizer, model_parameters, groups)
+        engine_opt, name = _build_optimizer(model, cfg, optimizer, model_parameters, groups,
+                                            lr_scheduler is not None)
         scheduler = _build_scheduler(cfg, lr_scheduler, engine_opt.optimizer)
     elif cfg.zero.stage > 0:
         raise AssertionError(f"zero stage {cfg.zero.stage} requires an optimizer")
@@ -171,7 +172,7 @@ def _check_stage0(cfg: EngineConfig, model: torch.nn.Module, groups: dict) -> No
 
 
 def _build_optimizer(model: torch.nn.Module, cfg: EngineConfig, client: Any, model_parameters: Any,
-                     groups: dict) -> tuple[EngineOptimizer, str | None]:
+                     groups: dict, client_scheduler: bool) -> tuple[EngineOptimizer, str | None]:
     from evenzero.runtime import ZeroConfig, ZeroOptimizer
 
     _check_stage0(cfg, model, groups)
@@ -194,6 +195,7 @@ def _build_optimizer(model: torch.nn.Module, cfg: EngineConfig, client: Any, mod
         if groups:
             param_groups = split_moe_groups(param_groups)
         name = choice.name
+    _check_adagrad(cfg, choice, param_groups, client is not None and client_scheduler)
     zero_groups = zero_param_groups(param_groups, groups)
     zcfg = ZeroConfig(stage=max(1, cfg.zero.stage), bucket_numel=cfg.zero.reduce_bucket_size,
                       reduce_dtype=DTYPES.get(cfg.communication_data_type or ""),
@@ -206,6 +208,23 @@ def _build_optimizer(model: torch.nn.Module, cfg: EngineConfig, client: Any, mod
     scaler = DeepSpeedLossScaler.from_precision(cfg.precision)
     zero.loss_scaler = ZeroScaleBridge(scaler)
     return EngineOptimizer(zero, scaler), name
+
+
+def _check_adagrad(cfg: EngineConfig, choice: OptimizerChoice, groups: list[dict],
+                   client_scheduler: bool) -> None:
+    """DeepSpeed's ZeRO replaces an Adagrad optimizer by a new torch Adagrad built from its
+    defaults (deepspeed/runtime/zero/stage_1_and_2.py@0.19.8:946-947): per-group options and
+    a client scheduler bound to the client's object stop applying. Refused rather than
+    followed silently either way."""
+    if cfg.zero.stage == 0 or not issubclass(choice.cls, torch.optim.Adagrad):
+        return
+    overrides = [k for g in groups for k, v in g.items()
+                 if k not in ("params", "name", "moe") and choice.kwargs.get(k, v) != v]
+    if client_scheduler or overrides:
+        raise DeepSpeedConfigError(
+            "Adagrad under ZeRO stage 1/2 with per-group options or a client LR scheduler is "
+            "not supported: DeepSpeed rebuilds Adagrad from its defaults there, so neither "
+            "applies; use one set of Adagrad options and a config scheduler")
 
 
 @torch.no_grad()
