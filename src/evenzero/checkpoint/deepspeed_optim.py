@@ -137,6 +137,16 @@ def loss_scaler_state(saved: Mapping[str, Any] | None, scaler: Any, skipped_step
     """evenzero `LossScaler` state equivalent to DeepSpeed's; None to leave it alone."""
     if saved is None or scaler is None or not scaler.enabled:
         return None  # this run does not scale the loss (bf16/fp32): nothing to carry over
+    convert = getattr(scaler, "state_from_deepspeed", None)
+    if convert is not None:
+        # A scaler with DeepSpeed's own update rule (evenzero.deepspeed's engine) takes
+        # the saved fields as they are, hysteresis included.
+        state = convert(saved)
+        try:
+            copy.deepcopy(scaler).load_state_dict(state)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{where}: loss scaler: {e}") from None
+        return state
     scale = float(saved.get("cur_scale", 1.0))
     dynamic = bool(saved.get("dynamic"))
     if not dynamic and scale == 1.0:
