@@ -12,7 +12,14 @@ from evenzero.cost import CostModel, OpCost, Variant
 from evenzero.cost.autobucket import candidate_sizes, choose_bucket_numel
 from evenzero.cost.compute import DeviceCompute
 from evenzero.runtime import autotune
-from evenzero.runtime.autotune import ArrivalClock, BackwardTiming, decide, measured_profile
+from evenzero.runtime import backwardclock
+from evenzero.runtime.autotune import decide
+from evenzero.runtime.backwardclock import (
+    ArrivalClock,
+    BackwardTiming,
+    RefinementSchedule,
+    measured_profile,
+)
 from evenzero.spec import ModelSpec, ParamSpec
 from evenzero.strategies import PlanOptions
 from dist_helpers import run_distributed
@@ -44,7 +51,7 @@ def timing(model: ModelSpec, per_param_s: float, start: float = 100.0) -> Backwa
 
 def test_clock_records_one_timing_per_backward(monkeypatch):
     ticks = iter([1.0, 1.5, 2.0, 2.25, 2.75, 3.0, 10.0, 10.5, 11.0])
-    monkeypatch.setattr(autotune, "perf_counter", lambda: next(ticks))
+    monkeypatch.setattr(backwardclock, "perf_counter", lambda: next(ticks))
     clock = ArrivalClock()
     clock.forward_began()            # 1.0
     clock.forward_ended()            # 1.5
@@ -74,6 +81,29 @@ def test_measured_profile_leaves_out_the_first_backward_and_takes_medians():
     assert measured_profile([cold]).backward[0][1] == pytest.approx(1.0)  # alone, it counts
     with pytest.raises(ValueError, match="no complete measured backward"):
         measured_profile([BackwardTiming(0.0)])
+
+
+def test_schedule_refines_after_enough_synced_backwards():
+    schedule = RefinementSchedule(enabled=True, backwards=2)
+    clock = schedule.clock
+
+    def backward(name: str) -> None:
+        clock.output_grad()
+        clock.grad(name)
+
+    backward("a")
+    assert schedule.backward_ended(aborted=False, synced=True) is None
+    backward("b")  # raised: dropped, not counted
+    assert schedule.backward_ended(aborted=True, synced=True) is None and schedule.pending
+    backward("c")  # under no_sync(): counted, but buffers are not re-laid out under it
+    assert schedule.backward_ended(aborted=False, synced=False) is None
+    backward("d")
+    timings = schedule.backward_ended(aborted=False, synced=True)
+    assert [[n for n, _ in t.events] for t in timings] == [["a"], ["c"], ["d"]]
+    assert not schedule.pending and schedule.clock is None
+    assert schedule.backward_ended(aborted=False, synced=True) is None  # once only
+    off = RefinementSchedule(enabled=False)
+    assert not off.pending and off.backward_ended(aborted=False, synced=True) is None
 
 
 # ---------------------------------------------------------------------- choosing

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from time import perf_counter
 from typing import Any
 
@@ -39,7 +39,8 @@ import torch.distributed as dist
 from evenzero.cost import CostModel, CostModelError, OpCost, Sample, Variant, fit_op
 from evenzero.cost.autobucket import choose_bucket_numel
 from evenzero.cost.calibrate import sweep
-from evenzero.cost.compute import ComputeProfile, DeviceCompute, median_profile, profile_from_arrivals
+from evenzero.cost.compute import DeviceCompute
+from evenzero.runtime.backwardclock import BackwardTiming, measured_profile
 from evenzero.runtime.collectives import broadcast
 from evenzero.spec import ModelSpec
 from evenzero.strategies.common import PlanOptions
@@ -54,87 +55,6 @@ COPY_NUMEL = 2**22
 """Elements copied to time memory bandwidth (16 MiB of fp32)."""
 NOTE_BYTES = 2048
 """Longest note rank 0 broadcasts (UTF-8 bytes)."""
-
-
-# ---------------------------------------------------------------------- measuring
-
-
-@dataclass
-class BackwardTiming:
-    """Clock readings (`time.perf_counter` seconds) of one measuring backward."""
-
-    start: float
-    """When the gradient reached the module's output (the loss's own backward is not
-    the model's), or, if no output hook fired, the first gradient."""
-    events: list[tuple[str, float]] = field(default_factory=list)
-    """(parameter, when its gradient hook fired), in firing order."""
-    end: float | None = None
-    """When the whole backward had finished (the end-of-backward callback)."""
-    forward_s: float | None = None
-    """The module's forward before this backward, if the hooks saw it begin and end."""
-
-    def profile(self) -> ComputeProfile:
-        return profile_from_arrivals(self.events, self.start, self.end, self.forward_s,
-                                     source="measured gradient arrivals")
-
-
-class ArrivalClock:
-    """What the hooks report while backwards are measured: forward begin and end, the
-    gradient reaching the module's output, each parameter's gradient, backward's end."""
-
-    def __init__(self) -> None:
-        self.timings: list[BackwardTiming] = []
-        self._forward: tuple[float, float | None] | None = None
-        self._current: BackwardTiming | None = None
-
-    def forward_began(self) -> None:
-        self._forward = (perf_counter(), None)
-
-    def forward_ended(self) -> None:
-        if self._forward is not None:
-            self._forward = (self._forward[0], perf_counter())
-
-    def output_grad(self) -> None:
-        """The gradient reached the module's output: the model's backward begins."""
-        if self._current is None:
-            self._begin(perf_counter())
-
-    def grad(self, name: str) -> None:
-        now = perf_counter()
-        if self._current is None:
-            self._begin(now)
-        self._current.events.append((name, now))
-
-    def backward_ended(self) -> None:
-        if self._current is not None:
-            self._current.end = perf_counter()
-            self.timings.append(self._current)
-        self._current, self._forward = None, None
-
-    def take(self) -> list[BackwardTiming]:
-        out, self.timings = self.timings, []
-        self._current = self._forward = None
-        return out
-
-    def _begin(self, now: float) -> None:
-        forward = self._forward
-        forward_s = forward[1] - forward[0] if forward and forward[1] is not None else None
-        self._current = BackwardTiming(now, forward_s=forward_s)
-
-
-def measured_profile(timings: Sequence[BackwardTiming]) -> ComputeProfile:
-    """The compute profile of the measured backwards: the first is left out when there
-    are more (it pays one-time costs); several give a per-parameter median (backwards
-    whose arrival order differs from the last one's are left out)."""
-    usable = [t for t in timings if t.events and t.end is not None]
-    if not usable:
-        raise ValueError("no complete measured backward with a gradient")
-    if len(usable) > 1:
-        usable = usable[1:]
-    profiles = [t.profile() for t in usable]
-    order = [n for n, _ in profiles[-1].backward]
-    alike = [p for p in profiles if [n for n, _ in p.backward] == order]
-    return alike[0] if len(alike) == 1 else median_profile(alike)
 
 
 # ---------------------------------------------------------------------- calibration
@@ -376,6 +296,5 @@ def calibration_target(groups: Sequence[tuple[int, Any]], device: torch.device,
                              H100 if device.type == "cuda" else CPU_LOCAL)
 
 
-__all__ = ["ArrivalClock", "BackwardTiming", "CalibrationTarget",
-           "QuickCalibration", "RefinedBucket", "agree_choice", "calibration_target",
-           "decide", "measured_profile", "quick_cost_model", "refine_bucket_numel"]
+__all__ = ["CalibrationTarget", "QuickCalibration", "RefinedBucket", "agree_choice",
+           "calibration_target", "decide", "quick_cost_model", "refine_bucket_numel"]
