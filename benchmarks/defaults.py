@@ -92,7 +92,8 @@ RUNNERS = {"seed": seed_case, "llama": llama_case, "gpt": gpt_case, "host": host
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
-    p.add_argument("--tiny", action="store_true", help="toy sizes: checks the scripts only")
+    p.add_argument("--tiny", "--short", action="store_true",
+                   help="toy sizes in about a minute: checks the scripts, ratios mean nothing")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     out: dict[str, dict[str, float]] = {}
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {case} | {ez:.1f} | {peer} | {other:.1f} | {ratio:.2f}x | <= {goal}x |")
     print(f"\nall targets met: {'yes' if met else 'no'}"
           f"{' (tiny sizes: meaningless)' if args.tiny else ''}")
+    print(f"command: python {' '.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
         print(f"wrote {args.json}")

@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
           f"losses agree to {loss_diff:.1e} relative)")
     if "profile" in r:
         print(f"\n===== rank 0, {PROFILE_STEPS} evenzero steps, {args.profile}\n{r['profile']}")
+    print(f"command: python {' '.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])}")
     if args.json:
         args.json.write_text(json.dumps(r, indent=1))
         print(f"wrote {args.json}")

@@ -225,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     config = TINY if args.tiny else LlamaConfig(seq=args.seq)
     report = run(args.world_size, config, systems, args.steps, args.warmup)
     print("\n".join(summary(report)))
+    print(f"command: python {' '.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")

@@ -84,26 +84,25 @@ def test_measured_profile_leaves_out_the_first_backward_and_takes_medians():
 
 
 def test_schedule_refines_after_enough_synced_backwards():
-    schedule = RefinementSchedule(enabled=True, backwards=2)
+    schedule = RefinementSchedule(enabled=True, backwards=3)
     clock = schedule.clock
 
-    def backward(name: str) -> None:
+    def backward(name: str, aborted: bool = False, synced: bool = True, arrival: bool = True):
         clock.output_grad()
         clock.grad(name)
+        return schedule.backward_ended(aborted, synced, arrival)
 
-    backward("a")
-    assert schedule.backward_ended(aborted=False, synced=True) is None
-    backward("b")  # raised: dropped, not counted
-    assert schedule.backward_ended(aborted=True, synced=True) is None and schedule.pending
-    backward("c")  # under no_sync(): counted, but buffers are not re-laid out under it
-    assert schedule.backward_ended(aborted=False, synced=False) is None
-    backward("d")
-    timings = schedule.backward_ended(aborted=False, synced=True)
+    assert backward("a", arrival=False) is None  # the arrival order is not agreed yet
+    # Raised on this rank: its timing is dropped, but it counts (every rank refines at
+    # the same backward).
+    assert backward("b", aborted=True) is None and schedule.pending
+    assert backward("c", synced=False) is None  # under no_sync(): counted, not re-laid out
+    timings = backward("d")
     assert [[n for n, _ in t.events] for t in timings] == [["a"], ["c"], ["d"]]
-    assert not schedule.pending and schedule.clock is None
-    assert schedule.backward_ended(aborted=False, synced=True) is None  # once only
+    assert not schedule.pending and schedule.clock is None and schedule.ended == 4
+    assert schedule.backward_ended(False, True, True) is None  # once only
     off = RefinementSchedule(enabled=False)
-    assert not off.pending and off.backward_ended(aborted=False, synced=True) is None
+    assert not off.pending and off.backward_ended(False, True, True) is None
 
 
 # ---------------------------------------------------------------------- choosing

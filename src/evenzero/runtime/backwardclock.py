@@ -109,12 +109,18 @@ def measured_profile(timings: Sequence[BackwardTiming]) -> ComputeProfile:
 
 
 class RefinementSchedule:
-    """Whether backwards are still timed for the bucket size, and when that ends."""
+    """Whether backwards are still timed for the bucket size, and when that ends.
+
+    It counts backwards that ended or raised alike: every rank must refine at the same
+    backward (the refinement is collective), and a rank whose backward raised settles
+    it with the same collectives as the others (`runtime/backward.py`)."""
 
     def __init__(self, enabled: bool, backwards: int = MEASURED_BACKWARDS) -> None:
         self.clock: ArrivalClock | None = ArrivalClock() if enabled else None
         """Fed by the hooks while timing; None once the refinement ran (or never)."""
         self.backwards = backwards
+        self.ended = 0
+        """Backwards that ended (or raised) while timing."""
         self.optimizer_seconds: tuple[float, int] | None = None
         """(seconds, master elements) of the last optimizer step, timed while pending."""
 
@@ -122,17 +128,20 @@ class RefinementSchedule:
     def pending(self) -> bool:
         return self.clock is not None
 
-    def backward_ended(self, aborted: bool, synced: bool) -> list[BackwardTiming] | None:
+    def backward_ended(self, aborted: bool, synced: bool,
+                       arrival_known: bool) -> list[BackwardTiming] | None:
         """Count a backward that ended (or raised); the timings once the refinement is
-        due, after which the schedule is over; None otherwise."""
+        due (enough backwards, this one synced, the arrival order agreed), after which
+        the schedule is over; None otherwise. Every argument is the same on every rank."""
         clock = self.clock
         if clock is None:
             return None
         if aborted:
             clock.discard()
-            return None
-        clock.backward_ended()
-        if not synced or len(clock.timings) < self.backwards:
+        else:
+            clock.backward_ended()
+        self.ended += 1
+        if not synced or not arrival_known or self.ended < self.backwards:
             return None
         self.clock = None
         return clock.take()
