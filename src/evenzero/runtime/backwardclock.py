@@ -1,11 +1,10 @@
 """Timing the first backwards, for the runtime's `bucket_numel="auto"`.
 
 With an "auto" bucket size on two or more ranks, `ZeroOptimizer` times its first
-`MEASURED_BACKWARDS` backwards: like the first (which records the arrival order), they
-reduce nothing until their end, so the gradient hooks' timestamps are pure compute.
-`RefinementSchedule` says when that is over: at the end of the first synced backward
-once enough were timed (a backward under `no_sync()` keeps its gradients in the
-buffers of the plan in place, so the buffers are not re-laid out under it). Then
+backwards, up to the end of the `MEASURED_BACKWARDS`-th synced one: like the first
+(which records the arrival order), they reduce nothing until their end, so the
+gradient hooks' timestamps are pure compute. `RefinementSchedule` says when that is
+over (never under `no_sync()`, whose gradients stay in the plan in place). Then
 `evenzero.runtime.autotune.refine_bucket_numel` turns the timings into one size every
 rank agrees on, and the optimizer re-plans with it, once.
 
@@ -111,16 +110,19 @@ def measured_profile(timings: Sequence[BackwardTiming]) -> ComputeProfile:
 class RefinementSchedule:
     """Whether backwards are still timed for the bucket size, and when that ends.
 
-    It counts backwards that ended or raised alike: every rank must refine at the same
-    backward (the refinement is collective), and a rank whose backward raised settles
-    it with the same collectives as the others (`runtime/backward.py`)."""
+    The refinement is collective, so every rank must reach it at the same backward. It
+    is due at the end of the `backwards`-th synced backward: ranks run the same synced
+    backwards (each ends in the same bucket collectives; a rank whose backward raised
+    settles it with them, `runtime/backward.py`), while the number of backwards under
+    `no_sync()` may differ (an error the step check raises on every rank, after this).
+    Every backward in between is timed, synced or not."""
 
     def __init__(self, enabled: bool, backwards: int = MEASURED_BACKWARDS) -> None:
         self.clock: ArrivalClock | None = ArrivalClock() if enabled else None
         """Fed by the hooks while timing; None once the refinement ran (or never)."""
         self.backwards = backwards
-        self.ended = 0
-        """Backwards that ended (or raised) while timing."""
+        self.synced = 0
+        """Synced backwards that ended (or raised) while timing."""
         self.optimizer_seconds: tuple[float, int] | None = None
         """(seconds, master elements) of the last optimizer step, timed while pending."""
 
@@ -131,8 +133,8 @@ class RefinementSchedule:
     def backward_ended(self, aborted: bool, synced: bool,
                        arrival_known: bool) -> list[BackwardTiming] | None:
         """Count a backward that ended (or raised); the timings once the refinement is
-        due (enough backwards, this one synced, the arrival order agreed), after which
-        the schedule is over; None otherwise. Every argument is the same on every rank."""
+        due (the `backwards`-th synced one, the arrival order agreed), after which the
+        schedule is over; None otherwise."""
         clock = self.clock
         if clock is None:
             return None
@@ -140,8 +142,8 @@ class RefinementSchedule:
             clock.discard()
         else:
             clock.backward_ended()
-        self.ended += 1
-        if not synced or not arrival_known or self.ended < self.backwards:
+        self.synced += synced
+        if not synced or not arrival_known or self.synced < self.backwards:
             return None
         self.clock = None
         return clock.take()
