@@ -7,6 +7,9 @@ group is initialised (gloo, file rendezvous) before it runs and destroyed after.
 values come back as a list indexed by rank. If any rank raises, the test fails with
 that rank's traceback; if the job outlives `timeout` seconds, every process is killed
 and the test fails naming the ranks that had not finished, so a hang never hangs CI.
+
+Whole scripts run under torchrun with `torchrun_standalone` (one agent) and
+`torchrun_two_agents` (two agents on a c10d rendezvous on 127.0.0.1, as two nodes would).
 """
 
 from __future__ import annotations
@@ -16,9 +19,13 @@ import os
 import queue
 import shutil
 import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -150,3 +157,52 @@ class CheckResults:
             self._cache[key] = run_distributed(self.job, world, args, timeout=self.timeout)
         failures = [(r, res[check]) for r, res in enumerate(self._cache[key]) if res[check]]
         assert not failures, f"rank {failures[0][0]}:\n{failures[0][1]}"
+
+
+# --------------------------------------------------------------------------- torchrun
+
+
+def _torchrun_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def torchrun_standalone(script: Path, args: Sequence[str] = (), nproc: int = 2,
+                        timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """Run `script` under one torchrun agent with `nproc` local workers; returns the
+    agent's completed process (its return code is the job's)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc), "--monitor-interval", "0.1", str(script), *args]
+    return subprocess.run(cmd, env=_torchrun_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_two_agents(script: Path, args: Sequence[str] = (),
+                        timeout: float = 120.0) -> list[tuple[int | None, str]]:
+    """Run `script` as a two-node job: two torchrun agents, started separately, one
+    worker each, meeting on a c10d rendezvous on 127.0.0.1. Returns (return code, output)
+    per agent; the code is None for an agent still running at `timeout` (both are
+    killed then), which is how a hang in torchrun's end-of-job barrier shows."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+           "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id",
+           uuid.uuid4().hex[:12], "--monitor-interval", "0.1", str(script), *args]
+    agents = [subprocess.Popen(cmd, env=_torchrun_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+              for _ in range(2)]
+    deadline = time.monotonic() + timeout
+    out: list[tuple[int | None, str]] = []
+    for agent in agents:
+        try:
+            text, _ = agent.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            out.append((agent.returncode, text))
+        except subprocess.TimeoutExpired:
+            os.killpg(agent.pid, signal.SIGKILL)
+            text, _ = agent.communicate()
+            out.append((None, text))
+    return out

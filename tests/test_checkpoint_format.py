@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -30,8 +31,6 @@ from evenzero.checkpoint.format import (
     RankIndex,
     StoredGroup,
     StoredParam,
-    decode_value,
-    encode_value,
     merge_indices,
     rank_file,
     storage_name,
@@ -43,6 +42,7 @@ from evenzero.checkpoint.reshard import (
     runs_index,
     split_shard,
 )
+from evenzero.checkpoint.values import decode_value, encode_value
 from evenzero.plan import Plan
 from evenzero.spec import GroupSpec, ModelSpec, ParamSpec
 from evenzero.strategies import PlanOptions, plan
@@ -236,8 +236,8 @@ def test_value_encoding_is_exact():
 def local_model(params: list[tuple[str, tuple[int, ...]]], **kw) -> LocalModel:
     base = dict(params=tuple(LocalParam(n, "dense", s, "float32") for n, s in params),
                 expert_parallel_size={"dense": 1}, ep_ranks={"dense": 0},
-                optimizer_class="torch.optim.adam.Adam",
-                hyperparameter_keys={"dense": frozenset({"lr"})}, state_keys={}, extras=())
+                optimizer_class="torch.optim.adam.Adam", option_keys=frozenset({"lr"}),
+                hyperparameters={"dense": {"lr": 0.5}}, extras=())
     base.update(kw)
     return LocalModel(**base)
 
@@ -258,10 +258,41 @@ def test_compatibility_errors_name_the_difference(tmp_path):
     with pytest.raises(CheckpointError, match="saved with optimizer torch.optim.adam.Adam, "
                                               "this run uses torch.optim.sgd.SGD"):
         check_compatible(m, local_model(ok, optimizer_class="torch.optim.sgd.SGD"), "ck")
-    with pytest.raises(CheckpointError, match=r"state of group 'dense' has keys \['exp_avg'\] "
-                                              r"in the checkpoint but \['momentum_buffer'\]"):
-        check_compatible(m, local_model(ok, state_keys={"dense": frozenset({"momentum_buffer"})}),
-                         "ck")
+    # Keys that LR schedulers add to the running groups are not the optimizer's setup ...
+    check_compatible(m, local_model(ok, hyperparameters={"dense": {"lr": 0.5, "initial_lr": 0.5}}),
+                     "ck")
+    # ... but the optimizer class's own options are.
+    with pytest.raises(CheckpointError, match=r"options of group 'dense' lack \['betas'\], which "
+                                              r"torch.optim.adam.Adam defines"):
+        check_compatible(m, local_model(ok, option_keys=frozenset({"lr", "betas"})), "ck")
+
+
+@pytest.mark.parametrize("saved,scalars,message", [
+    ({"lr": float("nan")}, {}, r"option 'lr' is nan, not finite"),
+    ({"lr": "fast"}, {}, r"option 'lr' is 'fast' in the checkpoint but 0.1 here"),
+    ({"lr": True}, {}, r"option 'lr' is True in the checkpoint but 0.1 here"),
+    ({"lr": 0.1, "betas": (0.9, float("inf"))}, {}, r"option 'betas'\[1\] is \(0.9, inf\)"),
+    ({"lr": 0.1, "betas": (0.9,)}, {}, r"option 'betas' is \(0.9,\) in the checkpoint"),
+    ({"lr": 0.1, "initial_lr": float("-inf")}, {}, r"option 'initial_lr' is -inf, not finite"),
+    ({"lr": 0.1}, {"step": torch.tensor(-7.0)}, r"optimizer state 'step' is tensor\(-7.\), not a "
+                                                 r"non-negative count"),
+    ({"lr": 0.1}, {"step": torch.tensor(float("nan"))}, r"optimizer state 'step' is tensor\(nan\)"),
+])
+def test_saved_options_must_be_finite_values_of_the_running_kind(saved, scalars, message):
+    from evenzero.checkpoint.compat import check_options
+
+    now = {"lr": 0.1, "betas": (0.9, 0.999), "foreach": None, "fused": False}
+    with pytest.raises(CheckpointError, match=r"ck: group 'dense': " + message):
+        check_options(encode_value(saved), encode_value(scalars), now, "ck: group 'dense'")
+
+
+def test_saved_options_of_an_equivalent_kind_load():
+    from evenzero.checkpoint.compat import check_options
+
+    now = {"lr": 0.1, "betas": (0.9, 0.999), "foreach": None, "fused": False, "max_eval": None}
+    saved = {"lr": torch.tensor(0.01), "betas": [0.8, 0.9], "foreach": False, "fused": None,
+             "max_eval": 25, "initial_lr": 0.1}
+    check_options(encode_value(saved), encode_value({"step": torch.tensor(3.0)}), now, "ck")
 
 
 def test_merge_rejects_ranks_that_disagree(tmp_path):
@@ -274,38 +305,6 @@ def test_merge_rejects_ranks_that_disagree(tmp_path):
     with pytest.raises(CheckpointError, match="ranks disagree on parameter 'p0'"):
         merge_indices([RankIndex(rec[0], (a,), ()), RankIndex(rec[1], (b,), ())])
     assert math.prod(a.shape) == a.numel
-
-
-def test_newest_complete_skips_unfinished_saves(tmp_path):
-    from evenzero.checkpoint.files import newest_complete, prepare_tmp, publish, resolve
-
-    spec = small_spec(SHAPES)
-    pl = plan(spec, 2)
-    for step in (2, 4):
-        tmp = tmp_path / f".tmp-step-{step:06d}"
-        prepare_tmp(tmp_path, tmp)
-        save_plain(pl, spec, full_values(spec, 1, step), tmp)
-        publish(tmp, tmp_path / f"step-{step:06d}")
-    # A crash mid-save leaves a staging directory; a directory without manifest or with a
-    # torn one is not a checkpoint either.
-    (tmp_path / ".tmp-step-000006").mkdir()
-    (tmp_path / "step-000008").mkdir()
-    (tmp_path / "step-000010").mkdir()
-    (tmp_path / "step-000010" / "manifest.json").write_text('{"format": "evenzero-chec')
-    assert newest_complete(tmp_path) == tmp_path / "step-000004"
-    assert resolve(tmp_path) == tmp_path / "step-000004"
-    assert resolve(tmp_path / "step-000002") == tmp_path / "step-000002"
-    # The next save clears staging leftovers and can replace an existing step.
-    tmp = tmp_path / ".tmp-step-000004"
-    prepare_tmp(tmp_path, tmp)
-    assert not (tmp_path / ".tmp-step-000006").exists()
-    m = save_plain(pl, spec, full_values(spec, 1, 99), tmp)
-    publish(tmp, tmp_path / "step-000004")
-    assert read_manifest(tmp_path / "step-000004") == m
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "step-000002", "step-000004", "step-000008", "step-000010"]
-    with pytest.raises(CheckpointError, match="no complete checkpoint"):
-        resolve(tmp_path / "nothing-here")
 
 
 def test_written_files_are_plain_safetensors(tmp_path):
@@ -321,3 +320,74 @@ def test_written_files_are_plain_safetensors(tmp_path):
         assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
     assert record.nbytes == (tmp_path / "x.safetensors").stat().st_size
     verify_file(tmp_path, record)
+
+
+def _damage(data: dict, edit: str) -> None:
+    """Apply one named kind of damage to a manifest's JSON."""
+    first = data["files"][0]["name"]
+    if edit.startswith("file:"):
+        bad = edit.removeprefix("file:")
+        data["files"][0]["name"] = bad
+        for p in data["params"].values():
+            p["ranges"] = [[bad if f == first else f, s, n] for f, s, n in p["ranges"]]
+    elif edit.startswith("range-file:"):
+        data["params"]["p0"]["ranges"][0][0] = edit.removeprefix("range-file:")
+    elif edit == "duplicate-file":
+        data["files"].append(dict(data["files"][0]))
+    elif edit == "overlap":
+        f, s, n = data["params"]["p4"]["ranges"][-1]
+        data["params"]["p4"]["ranges"].append([f, s, n])
+    elif edit == "user-state-rank":
+        data["user_state"] = {"5": first}
+    else:
+        target, _, value = edit.partition("=")
+        *path, last = target.split(".")
+        node = data
+        for key in path:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        node[last] = json.loads(value)
+
+
+@pytest.mark.parametrize("edit,message", [
+    ("file:../step-000001/rank-00000.safetensors", r"files\[0\].name '\.\./step-000001/rank-00000"
+                                                   r"\.safetensors' is not a plain file name"),
+    ("file:/etc/passwd", r"'/etc/passwd' is not a plain file name inside the checkpoint"),
+    ("file:sub\\rank.safetensors", r"is not a plain file name"),
+    ("file:..", r"'\.\.' is not a plain file name"),
+    ("range-file:../x", r"params\['p0'\].ranges\[0\] file '\.\./x' is not a plain file name"),
+    ("duplicate-file", r"files lists a file name twice"),
+    ("overlap", r"parameter 'p4' has runs that do not tile it"),
+    ("user-state-rank", r"user_state entry '5'"),
+    ("step_count=-7", r"step_count is -7, below 0"),
+    ("step=-1", r"step is -1, below 0"),
+    ("step=7.5", r"step is 7.5, not an integer"),
+    ('step="7"', r"step is '7', not an integer"),
+    ("world_size=0", r"world_size is 0, below 1"),
+    ("files.0.bytes=-3", r"files\[0\].bytes is -3, below 0"),
+    ("files.0.rank=9", r"written by rank 9 of 3"),
+    ('files.0.sha256="abc"', r"files\[0\].sha256 'abc' is not a sha256 hex digest"),
+    ("optimizer.groups.0.size=true", r"optimizer.groups\[0\].size is True, not an integer"),
+    ('loss_scaler={"scale": NaN, "good_steps": 0}', r"loss_scaler.scale is nan, not a finite"),
+    ('loss_scaler={"scale": 8.0, "good_steps": -1}', r"loss_scaler.good_steps is -1, below 0"),
+    ("format_version=2", r"format version 2, this evenzero reads version 1"),
+])
+def test_damaged_manifest_is_an_error_naming_the_file_and_field(tmp_path, edit, message):
+    spec = small_spec(SHAPES)
+    save_plain(plan(spec, 3, options=PlanOptions(bucket_numel=100)), spec,
+               full_values(spec, 1, 2), tmp_path)
+    data = json.loads((tmp_path / "manifest.json").read_text())
+    _damage(data, edit)
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=re.escape(str(tmp_path / "manifest.json")) + ": .*"
+                       + message):
+        read_manifest(tmp_path)
+
+
+def test_manifest_written_before_user_state_existed_still_reads(tmp_path):
+    """Format 1 manifests from before `extra=` have no "user_state" entry."""
+    spec = small_spec(SHAPES)
+    m = save_plain(plan(spec, 2), spec, full_values(spec, 1, 0), tmp_path)
+    data = json.loads((tmp_path / "manifest.json").read_text())
+    del data["user_state"]
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    assert read_manifest(tmp_path) == m and m.user_state == {}

@@ -34,7 +34,9 @@ def fails(capsys, *argv) -> str:
 
 
 def test_default_table_compares_all_six_strategies(capsys):
-    assert cli.main(["plan", "seed-moe-gate-lost", "--world-size", "8"]) == 0
+    # One 32M-element bucket per group: evenzero's two reduce-scatters.
+    assert cli.main(["plan", "seed-moe-gate-lost", "--world-size", "8",
+                     "--bucket-numel", "33554432"]) == 0
     out = capsys.readouterr().out
     assert "seed-moe-gate-lost on 8 ranks, cost model h100-nvlink-8 (default for W <= 8)" in out
     rows = {line.split()[1]: line for line in out.splitlines() if line.startswith("│")}
@@ -44,7 +46,7 @@ def test_default_table_compares_all_six_strategies(capsys):
 
 
 def test_json_has_the_documented_shape(capsys):
-    doc = run_json(capsys, "seed-moe", "--world-size", "8")
+    doc = run_json(capsys, "seed-moe", "--world-size", "8", "--bucket-numel", "33554432")
     assert set(doc) == {"world_size", "plans"} and doc["world_size"] == 8
     assert [p["strategy"] for p in doc["plans"]] == list(STRATEGY_NAMES)
     for p in doc["plans"]:
@@ -130,8 +132,8 @@ def test_plot_writes_a_png(tmp_path, capsys):
 
 
 def test_markdown_table(capsys):
-    assert cli.main(["plan", "seed-moe", "--world-size", "8", "--markdown",
-                     "--strategy", "evenzero", "deepspeed"]) == 0
+    assert cli.main(["plan", "seed-moe", "--world-size", "8", "--markdown", "--bucket-numel",
+                     "33554432", "--strategy", "evenzero", "deepspeed"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[2].startswith("| strategy | backward calls |")
     assert lines[4].startswith("| evenzero | 2 RS |") and lines[5].startswith("| deepspeed | 2 AR |")

@@ -18,9 +18,9 @@ from evenzero.cost import (
 )
 from evenzero.cost.memory import DEEPSPEED_REDUCE_BUCKET
 from evenzero.cost.presets import PRESETS, cost_preset, default_cost_preset, load_cost_model
+from evenzero.model_presets import preset
 from evenzero.plan import Collective, GroupInfo, Plan
-from evenzero.presets import preset
-from evenzero.strategies import plan
+from evenzero.strategies import PlanOptions, plan
 
 H100_IB = PRESETS["h100-ndr-ib"]
 A100_IB = PRESETS["a100-hdr-ib"]
@@ -177,9 +177,24 @@ def test_fit_recovers_a_known_line_and_refuses_noise():
 
 def test_gloo_preset_reproduces_its_anchor_measurements():
     m = PRESETS["gloo-local"]
-    assert m.time("reduce_scatter", 8, 2**20 * 4) == pytest.approx(8.8e-3)
+    # The runtime's reduce-scatter on gloo: all_to_all_single + sum.
+    assert m.time("reduce_scatter", 8, 2**20 * 4) == pytest.approx(3.1e-3)
+    assert m.choose("reduce_scatter", 8, 4)[0].name == "all_to_all+sum"
     assert m.time("all_reduce", 8, 2**16 * 4) == pytest.approx(1.8e-3)
-    assert 8 * m.time("reduce", 8, 2**20 * 4) == pytest.approx(19.9e-3)
+    # 8 reduces, one per root, each of 1/8 of 1M elements.
+    assert 8 * m.time("reduce", 8, 2**20 // 8 * 4) == pytest.approx(19.9e-3)
+    # Fewer peers, less latency; more peers, more.
+    assert m.time("reduce_scatter", 2, 4) < m.time("reduce_scatter", 8, 4) < m.time(
+        "reduce_scatter", 16, 4)
+
+
+def test_a_model_fitted_at_n_ranks_says_so_elsewhere():
+    m = PRESETS["gloo-local"]
+    assert m.fitted_ranks == (8,) and m.extrapolation_warning(8) is None
+    warning = m.extrapolation_warning(128)
+    assert "fitted at 8 ranks, not 128" in warning and "calibrate --world-size 128" in warning
+    # Presets from published figures carry a scaling rule, not a fit.
+    assert H100_IB.extrapolation_warning(1024) is None
 
 
 # --------------------------------------------------------------------------- predictions
@@ -188,7 +203,7 @@ def test_gloo_preset_reproduces_its_anchor_measurements():
 def test_predict_seed_case_on_one_node():
     spec = preset("seed-moe-gate-lost")
     m = PRESETS["h100-nvlink-8"]
-    ez = predict(plan(spec, 8, "evenzero"), m)
+    ez = predict(plan(spec, 8, "evenzero", PlanOptions(bucket_numel=2**25)), m)  # 1 per group
     ds = predict(plan(spec, 8, "deepspeed-0.6"), m)
     ar = predict(plan(spec, 8, "deepspeed"), m)
     assert len(ez.backward) == 2 and len(ds.backward) == 13
@@ -232,8 +247,14 @@ def test_calibration_on_two_local_ranks_fits_what_it_measured():
     model, samples = run_local(2, sizes=(2**10, 2**18, 2**20, 2**22), repeats=7)
     assert {s.op for s in samples} == set(OPS) and all(s.group_size == 2 for s in samples)
     for op in OPS:
-        (v,) = model.op(op).variants
-        assert v.alpha_us >= 0 and v.busbw_gbs > 0
+        exact, generic = model.op(op).variants  # measured at 2 ranks; any other size
+        assert exact.group_size == 2 and generic.group_size is None
+        assert exact.alpha_us >= 0 and exact.busbw_gbs > 0
+    # What the runtime issues on gloo, and the compute the timeline needs.
+    assert model.choose("reduce_scatter", 2, 4096)[0].name == "all_to_all+sum"
+    assert model.fitted_ranks == (2,) and model.extrapolation_warning(8)
+    c = model.compute
+    assert c.tflops > 0 and c.memory_gbs > 0 and c.optimizer_bytes_per_element > 0
     errors = []
     for s in samples:
         predicted = model.time(s.op, 2, s.nbytes)
@@ -242,3 +263,13 @@ def test_calibration_on_two_local_ranks_fits_what_it_measured():
         assert abs(predicted - s.seconds) <= 2 * s.seconds + 2e-3, (s, predicted)
     # Typical points must fit well; a wrong alpha or busbw is off by far more than this.
     assert sorted(errors)[len(errors) // 2] <= 0.5, sorted(errors)
+
+
+@pytest.mark.slow
+def test_calibration_measures_expert_sized_subgroups_too():
+    from evenzero.cost.calibrate import run_local
+
+    model, samples = run_local(4, sizes=(2**10, 2**16, 2**22), repeats=3)
+    assert {s.group_size for s in samples} == {2, 4}
+    for op in OPS:
+        assert model.op(op).measured_sizes() == {2, 4}

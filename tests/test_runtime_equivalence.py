@@ -187,7 +187,7 @@ def check_overlap(rank, world, stage):
     opt = ZeroOptimizer(model, torch.optim.SGD, lr=0.1, stage=stage, bucket_numel=64)
     launched = []  # buckets launched when backward reaches fc2's input (fc1 still to come)
     model.fc2.register_forward_pre_hook(lambda _m, args: (_Probe.apply(
-        args[0], lambda: launched.append(len(opt.trace_log.pending))),))
+        args[0], lambda: launched.append(len(opt._recorder.pending))),))
     for step in range(3):
         mlp_loss(model, mlp_batch(step, 4)).backward()
         opt.step()

@@ -113,6 +113,40 @@ def case_clip_inf_norm(rank, world):
     opt.clip_grad_norm_(1.0, norm_type=float("inf"))
 
 
+def case_clip_nan_max_norm(rank, world):
+    model = MLP()
+    opt = _opt(model)
+    mlp_loss(model, mlp_batch(0, 4)).backward()
+    opt.clip_grad_norm_(float("nan"))
+
+
+def case_clip_negative_max_norm(rank, world):
+    model = MLP()
+    opt = _opt(model)
+    mlp_loss(model, mlp_batch(0, 4)).backward()
+    opt.clip_grad_norm_(-1.0)
+
+
+def case_clip_inf_max_norm_measures_like_torch(rank, world):
+    # torch.nn.utils.clip_grad_norm_(params, inf) returns the norm and leaves the grads.
+    model = MLP()
+    opt = _opt(model)
+    mlp_loss(model, mlp_batch(0, 4)).backward()
+    before = [st.grad.clone() for st in opt.groups.values()]
+    norm = opt.clip_grad_norm_(float("inf"))
+    assert torch.isfinite(norm) and norm > 0
+    assert all(torch.equal(b, st.grad) for b, st in zip(before, opt.groups.values(), strict=True))
+    opt.step()
+
+
+def case_fractional_buckets_in_flight_on_one_rank(rank, world):
+    _opt(MLP(), max_buckets_in_flight=1.5 if rank == 1 else 2)
+
+
+def case_infinite_loss_scale(rank, world):
+    _opt(MLP(), loss_scale=float("inf"))
+
+
 def case_grad_on_one_rank_only(rank, world):
     model = Branchy()
     opt = _opt(model)
@@ -185,6 +219,11 @@ EXPECTED = {
     "nothing_trainable": (_zce(), "no trainable parameters"),
     "bad_stage_on_one_rank": (_zce(), "rank 1:", "stage must be 1 or 2"),
     "clip_inf_norm": (_zce(), "norm_type=2"),
+    "clip_nan_max_norm": (_zce(), "max_norm must be a number >= 0"),
+    "clip_negative_max_norm": (_zce(), "max_norm must be a number >= 0"),
+    "clip_inf_max_norm_measures_like_torch": None,
+    "fractional_buckets_in_flight_on_one_rank": (_zce(), "rank 1:", "max_buckets_in_flight must be an integer"),
+    "infinite_loss_scale": (_zce(), "loss_scale must be", "finite positive"),
     "grad_on_one_rank_only": (_zre(), "'extra.weight'", "1 of 2 ranks", "allow_partial_grads=True"),
     "unplanned_gradient": (_zre(), "'extra.", "no collective"),
     "param_replaced_after_construction": (_zre(), "'head.bias'", "does not manage"),

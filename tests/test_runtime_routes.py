@@ -9,15 +9,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from evenzero.model_presets import preset
 from evenzero.plan import PlanError
-from evenzero.presets import preset
 from evenzero.runtime.checks import ZeroConfigError
 from evenzero.runtime.collectives import default_reduce_scatter_algorithm
 from evenzero.runtime.config import ELEMENTWISE_OPTIMIZERS, ZeroConfig, check_elementwise
 from evenzero.runtime.routes import plan_routes, unreduced
 from evenzero.spec import GroupSpec, ModelSpec, ParamSpec
 from evenzero.strategies import PlanOptions, plan
-from evenzero.strategies.deepspeed import split_by_group
+from evenzero.strategies.executable import split_by_group
 
 
 @st.composite
@@ -138,10 +138,50 @@ def test_reduce_scatter_algorithm_follows_the_backend():
     ({"loss_scale": "auto"}, "loss_scale must be 'dynamic'"),
     ({"reduce_dtype": "int8"}, "unknown dtype 'int8'"),
     ({"strategy": 3}, "strategy must be a strategy name"),
+    ({"stage": True}, "stage must be 1 or 2"),
+    ({"bucket_numel": 100.0}, "bucket_numel must be a positive integer"),
+    ({"max_buckets_in_flight": 1.5}, "max_buckets_in_flight must be an integer"),
+    ({"max_buckets_in_flight": 0}, "max_buckets_in_flight must be an integer of at least 1"),
+    ({"max_buckets_in_flight": True}, "max_buckets_in_flight must be an integer"),
+    ({"alignment_bytes": 3}, "alignment_bytes must be a power of two"),
+    ({"alignment_bytes": 0}, "alignment_bytes must be a power of two"),
+    ({"alignment_bytes": 64.0}, "alignment_bytes must be a power of two"),
+    ({"loss_scale": float("inf")}, r"loss_scale must be .*finite positive.*e\.g\."),
+    ({"loss_scale": float("nan")}, "loss_scale must be"),
+    ({"loss_scale": -2.0}, "loss_scale must be"),
+    ({"loss_scale": True}, "loss_scale must be"),
+    ({"loss_scale_config": {"init_scale": 2.0}}, "loss_scale_config must be"),
+    ({"allow_partial_grads": "yes"}, "allow_partial_grads must be True or False"),
+    ({"overlap_param_gather": 1}, "overlap_param_gather must be True or False"),
+    ({"elementwise": "sure"}, "elementwise must be True, False or None"),
 ])
 def test_bad_config_names_the_field(kwargs, fragment):
     with pytest.raises(ZeroConfigError, match=fragment):
         ZeroConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"init_scale": float("inf")}, "init_scale must be a finite positive number"),
+    ({"init_scale": 0.0}, "init_scale must be a finite positive number"),
+    ({"min_scale": float("nan")}, "min_scale must be a finite positive number"),
+    ({"growth_factor": 0.5}, "growth_factor must be >= 1"),
+    ({"backoff_factor": 1.0}, r"backoff_factor must be in \(0, 1\)"),
+    ({"growth_interval": 1.5}, "growth_interval must be an integer"),
+    ({"growth_interval": 0}, "growth_interval must be an integer >= 1"),
+])
+def test_bad_loss_scale_config_is_a_config_error(kwargs, fragment):
+    from evenzero.runtime import LossScaleConfig
+
+    with pytest.raises(ZeroConfigError, match=fragment):
+        LossScaleConfig(**kwargs)
+
+
+def test_good_configs_are_accepted():
+    from evenzero.runtime import LossScaleConfig
+
+    ZeroConfig(stage=1, bucket_numel=2**20, alignment_bytes=256, max_buckets_in_flight=4,
+               loss_scale=1024, loss_scale_config=LossScaleConfig(growth_interval=10))
+    ZeroConfig(loss_scale=0.5, reduce_dtype="bf16", elementwise=True)
 
 
 def test_only_elementwise_optimizers_step_shards():

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from evenzero import presets
+from evenzero import model_presets
 from evenzero.spec import ModelSpec, ModuleSpecOptions, ParamSpec, SpecError, from_json, from_module
 
 
@@ -124,7 +124,7 @@ def test_from_module_expert_marker():
 
 
 def test_seed_preset_matches_the_report():
-    spec = presets.preset("seed-moe")
+    spec = model_presets.preset("seed-moe")
     dense = sum(p.numel for p in spec.group_params("dense"))
     experts = sum(p.numel for p in spec.group_params("experts"))
     assert (dense, experts, spec.numel) == (2_018_000, 8_008_000, 10_026_000)
@@ -133,7 +133,7 @@ def test_seed_preset_matches_the_report():
     assert order[4:8] == tuple(f"moe.experts.3.{n}" for n in ("fc2.bias", "fc2.weight", "fc1.bias",
                                                               "fc1.weight"))
     assert order[-1] == "moe.gate.wg.weight"
-    lost = presets.preset("seed-moe-gate-lost")
+    lost = model_presets.preset("seed-moe-gate-lost")
     assert "moe.gate.wg.weight" not in lost.arrival_order
     assert len(lost.arrival_order) == len(order) - 1
 
@@ -141,11 +141,11 @@ def test_seed_preset_matches_the_report():
 @pytest.mark.parametrize("name, billions", [("gpt2-xl", 1.56), ("llama-7b", 6.74),
                                             ("gemma2-27b", 27.2), ("llama-70b", 69.0)])
 def test_transformer_presets_have_published_sizes(name, billions):
-    spec = presets.preset(name)
+    spec = model_presets.preset(name)
     assert spec.numel / 1e9 == pytest.approx(billions, rel=0.02)
     assert sorted(spec.arrival_order) == sorted(p.name for p in spec.params)
 
 
 def test_unknown_preset():
     with pytest.raises(SpecError, match="unknown preset 'gpt5'; choose one of"):
-        presets.preset("gpt5")
+        model_presets.preset("gpt5")

@@ -1,15 +1,17 @@
-"""DeepSpeed ZeRO-2 planners against the seed case (shared/reference/seed-case.md) and §2-§5."""
+"""DeepSpeed ZeRO-2 planners against the seed case (deepspeedai/DeepSpeed#3151) and the
+partitioning, IPG bucket and dispatch rules of deepspeed/runtime/zero/stage_1_and_2.py."""
 
 import time
 
 import pytest
 
+from evenzero.model_presets import preset
 from evenzero.plan import PlanError
-from evenzero.presets import preset
 from evenzero.spec import GroupSpec, ModelSpec, ParamSpec
 from evenzero.strategies import PlanOptions, plan
-from evenzero.strategies.deepspeed import plan_deepspeed_reduce_mode, split_by_group
+from evenzero.strategies.deepspeed import plan_deepspeed_reduce_mode
 from evenzero.strategies.deepspeed_layout import IPG_GROUP, partition_parts, round_robin_order
+from evenzero.strategies.executable import split_by_group
 
 # §8.2, in the order DeepSpeed emits them (bucket-offset order).
 SEED_ROWS = [(7, 0, 1000), (3, 1000, 8000), (4, 9000, 252250), (5, 261250, 252250),
@@ -253,7 +255,7 @@ def test_split_by_group_refuses_runs_that_merge_two_param_groups():
     from evenzero.plan import PlanError
     from evenzero.spec import GroupSpec, ModelSpec, ParamSpec
     from evenzero.strategies import plan
-    from evenzero.strategies.deepspeed import split_by_group
+    from evenzero.strategies.executable import split_by_group
 
     spec = ModelSpec((ParamSpec("a", (8,), "dense"), ParamSpec("b", (8,), "nd")),
                      (GroupSpec("dense"), GroupSpec("nd")), ("b", "a"))

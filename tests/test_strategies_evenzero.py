@@ -5,12 +5,12 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from evenzero.model_presets import preset
 from evenzero.plan import Plan
-from evenzero.presets import preset
 from evenzero.spec import DTYPE_BYTES, GroupSpec, ModelSpec, ParamSpec
 from evenzero.strategies import PlanOptions
 from evenzero.strategies import plan as make_plan
-from evenzero.strategies.evenzero import default_bucket_numel, plan_evenzero
+from evenzero.strategies.evenzero import plan_evenzero
 
 ALIGN_BYTES = 128
 
@@ -41,9 +41,12 @@ def assert_every_element_owned_once(spec: ModelSpec, p: Plan) -> None:
 # --------------------------------------------------------------------------- seed case
 
 
+ONE_BUCKET_PER_GROUP = PlanOptions(bucket_numel=2**25)
+
+
 def test_seed_moe_is_two_equal_reduce_scatters():
     spec = preset("seed-moe")
-    p = make_plan(spec, 8, "evenzero")
+    p = make_plan(spec, 8, "evenzero", ONE_BUCKET_PER_GROUP)
     backward = p.backward()
     assert [(c.op, c.group, c.group_size) for c in backward] == [
         ("reduce_scatter", "experts", 2), ("reduce_scatter", "dense", 8)]
@@ -59,7 +62,7 @@ def test_seed_moe_is_two_equal_reduce_scatters():
 
 def test_seed_moe_gate_lost_still_owns_the_gate():
     spec = preset("seed-moe-gate-lost")
-    p = plan_evenzero(spec, 8)
+    p = plan_evenzero(spec, 8, ONE_BUCKET_PER_GROUP)
     assert len(p.backward()) == 2
     dense = p.group_buckets("dense")[0]
     assert dense.params[-1].name == "moe.gate.wg.weight"  # never arrives: laid out last
@@ -87,7 +90,7 @@ def models(draw) -> tuple[ModelSpec, int, PlanOptions]:
     names = [p.name for p in params]
     arrival = draw(st.permutations(names))
     arrival = arrival[:draw(st.integers(0, len(arrival)))]  # a suffix never arrives
-    bucket = draw(st.one_of(st.none(), st.integers(1, 100_000)))
+    bucket = draw(st.one_of(st.just("auto"), st.integers(1, 100_000)))
     return ModelSpec(tuple(params), tuple(groups), tuple(arrival)), world, PlanOptions(bucket)
 
 
@@ -96,6 +99,16 @@ def models(draw) -> tuple[ModelSpec, int, PlanOptions]:
 def test_evenzero_plan_properties(case):
     spec, world, options = case
     p = plan_evenzero(spec, world, options)
+    auto_numel = None
+    if options.fixed_bucket_numel is None:
+        # The auto plan is the fixed plan of the size it chose, and says which.
+        from evenzero.cost.autobucket import choose_bucket_numel
+        from evenzero.cost.presets import PRESETS, default_cost_preset
+
+        choice = choose_bucket_numel(spec, world, PRESETS[default_cost_preset(world)])
+        auto_numel = choice.numel
+        assert p.buckets == choice.plan.buckets and p.collectives == choice.plan.collectives
+        assert p.notes[-1] == choice.note and f"{auto_numel:,} elements" in choice.note
     size = {g.name: g.size for g in p.groups}
     pos = {n: i for i, n in enumerate(spec.arrival_order)}
     never = len(pos)
@@ -112,7 +125,7 @@ def test_evenzero_plan_properties(case):
     for g in p.groups:
         itemsize = DTYPE_BYTES[spec.group_params(g.name)[0].dtype]
         align = max(1, ALIGN_BYTES // itemsize)
-        limit = options.bucket_numel or default_bucket_numel(g.size)
+        limit = options.fixed_bucket_numel or auto_numel
         buckets = sorted(p.group_buckets(g.name), key=lambda b: b.index)
         assert [b.index for b in buckets] == list(range(len(buckets)))
         for b in buckets:

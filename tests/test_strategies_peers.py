@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from evenzero.model_presets import preset
 from evenzero.plan import PlanError
-from evenzero.presets import preset
 from evenzero.spec import GroupSpec, ModelSpec, ParamSpec
 from evenzero.strategies import PlanOptions, plan
 from evenzero.strategies.deepspeed import DEFAULT_REDUCE_BUCKET_SIZE, plan_deepspeed_reduce_mode
@@ -42,7 +42,7 @@ def test_megatron_aligns_param_starts_and_pads_bucket_ends():
     # Bucket 1 (a) completes first in this arrival order.
     assert [(c.op, c.bucket, c.numel) for c in p.backward()] == [
         ("reduce_scatter", 1, 128), ("reduce_scatter", 0, 1152)]
-    assert [(c.op, c.bucket) for c in p.step()] == [("all_gather", 0), ("all_gather", 1)]
+    assert [(c.op, c.buffer_index) for c in p.step()] == [("all_gather", 0), ("all_gather", 1)]
     assert p.buckets == tuple(sorted(p.layouts, key=lambda b: -b.index))
     assert any("full-size" in n for n in p.notes)
 
@@ -101,7 +101,7 @@ def test_fsdp2_root_reduces_last_and_gathers_first():
     names = {b.index: [s.name for s in b.params] for b in p.buckets}
     assert [names[c.bucket] for c in p.backward()] == [
         ["layers.1.w"], ["layers.0.w"], ["embed", "head"]]
-    assert [names[c.bucket] for c in p.step()] == [
+    assert [names[c.buffer_index] for c in p.step()] == [
         ["embed", "head"], ["layers.0.w"], ["layers.1.w"]]
 
 

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from evenzero.plan import Bucket, Collective, Plan, PlanError, ShardRange, Slot  # noqa: E402
+from evenzero.plan import (  # noqa: E402
+    Bucket,
+    Collective,
+    FlatBuffer,
+    Layout,
+    Plan,
+    PlanError,
+    Schedule,
+    ShardRange,
+    Slot,
+)
 from evenzero.spec import ModelSpec, ParamSpec, SpecError  # noqa: E402
 from evenzero.strategies import PlanOptions, plan  # noqa: E402
 
@@ -18,5 +28,6 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["Bucket", "Collective", "ModelSpec", "ParamSpec", "Plan", "PlanError", "PlanOptions",
-           "ShardRange", "SpecError", "Slot", "ZeroOptimizer", "plan"]
+__all__ = ["Bucket", "Collective", "FlatBuffer", "Layout", "ModelSpec", "ParamSpec", "Plan",
+           "PlanError", "PlanOptions", "Schedule", "ShardRange", "SpecError", "Slot",
+           "ZeroOptimizer", "plan"]

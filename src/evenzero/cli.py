@@ -1,9 +1,10 @@
 """The `evenzero` command: plan, calibrate, repro, bench.
 
     evenzero plan MODEL --world-size W [--ep-size E] [--strategy S ... | all]
-                  [--bucket-numel B] [--round-robin] [--json] [--plot FILE.png]
+                  [--bucket-numel B|auto] [--round-robin] [--json] [--plot FILE.png]
                   [--cost PRESET|FILE.json] [--alpha-us A] [--busbw-gbs B]
                   [--cost-param OP.FIELD=V ...] [--markdown]
+                  [--timeline] [--timeline-plot FILE.png] [--tokens N]
     evenzero calibrate --world-size W [--sizes N ...] [--repeats R] [--json FILE]
     evenzero repro ...    (evenzero.repro)
     evenzero bench ...    (evenzero.repro.bench)
@@ -15,6 +16,7 @@ that names the problem, and exit status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -25,9 +27,9 @@ from pathlib import Path
 from evenzero.cost import CostModel, CostModelError, predict
 from evenzero.cost.presets import PRESETS as COST_PRESETS
 from evenzero.cost.presets import default_cost_preset, load_cost_model
+from evenzero.model_presets import PRESETS, preset
 from evenzero.plan import PlanError
 from evenzero.plan_report import plans_record, summarize
-from evenzero.presets import PRESETS, preset
 from evenzero.spec import GroupSpec, ModelSpec, SpecError, from_json
 from evenzero.strategies import STRATEGY_NAMES, PlanOptions, plan, strategy_names
 
@@ -72,7 +74,7 @@ def with_ep_size(spec: ModelSpec, ep_size: int) -> ModelSpec:
                         f"(none with expert_parallel_size > 1); drop --ep-size")
     groups = tuple(GroupSpec(g.name, ep_size) if g.expert_parallel_size > 1 else g
                    for g in spec.groups)
-    return ModelSpec(spec.params, groups, spec.arrival, spec.arrival_source, spec.name)
+    return dataclasses.replace(spec, groups=groups)
 
 
 def strategies_from(requested: Sequence[str] | None) -> list[str]:
@@ -113,31 +115,69 @@ def cost_model_from(args: argparse.Namespace) -> tuple[CostModel, str]:
     return model, why
 
 
+def bucket_numel_arg(text: str) -> int | str:
+    """--bucket-numel: a number of elements or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of elements or auto, got {text!r}") from None
+
+
+def _png(flag: str, value: str | None) -> Path | None:
+    path = Path(value) if value else None
+    if path is not None and not path.parent.exists():
+        raise PlanError(f"{flag} {path}: directory {path.parent} does not exist")
+    return path
+
+
 def run_plan(args: argparse.Namespace) -> int:
     spec = load_model(args.model)
     if args.ep_size is not None:
         spec = with_ep_size(spec, args.ep_size)
-    options = PlanOptions(bucket_numel=args.bucket_numel, round_robin=args.round_robin)
+    if args.tokens is not None:
+        spec = spec.with_tokens(args.tokens)  # validated by ModelSpec
     names = strategies_from(args.strategy)
     model, why = cost_model_from(args)
-    plot = Path(args.plot) if args.plot else None
-    if plot is not None and not plot.parent.exists():
-        raise PlanError(f"--plot {plot}: directory {plot.parent} does not exist")
+    options = PlanOptions(bucket_numel=args.bucket_numel, round_robin=args.round_robin,
+                          cost_model=model)
+    plot, gantt = _png("--plot", args.plot), _png("--timeline-plot", args.timeline_plot)
+    warning = model.extrapolation_warning(args.world_size)
     results = []
     for name in names:
         p = plan(spec, args.world_size, name, options)
-        results.append((p, summarize(p, predict(p, model, args.bucket_numel))))
+        if warning:
+            p = dataclasses.replace(p, notes=p.notes + (f"warning: {warning}",))
+        results.append((p, summarize(p, predict(p, model, options.fixed_bucket_numel))))
     title = (f"{spec.name} on {args.world_size} ranks, cost model {model.name}"
-             + (f" ({why})" if why else ""))
-    if plot is not None:
-        from evenzero.planview import plot_schedules
-
+             + (f" ({why})" if why else "")
+             + (f", fitted at {'/'.join(map(str, model.fitted_ranks))} ranks: extrapolated"
+                if warning else ""))
+    timelines = step_timelines(spec, model, [p for p, _ in results]) \
+        if args.timeline or gantt else None
+    for path, draw in ((plot, "plot_schedules"), (gantt, "plot_timelines")):
+        if path is None:
+            continue
         try:
-            plot_schedules(results, plot, title)
+            if draw == "plot_schedules":
+                from evenzero.planview import plot_schedules
+
+                plot_schedules(results, path, title)
+            else:
+                from evenzero.timelineview import plot_timelines
+
+                plot_timelines(timelines, path, title)
         except ValueError as e:  # matplotlib: unknown image format
-            raise PlanError(f"--plot {plot}: {e}") from None
+            raise PlanError(f"{path}: {e}") from None
     if args.json:
-        json.dump(plans_record(args.world_size, results), sys.stdout)
+        doc = plans_record(args.world_size, results)
+        for record, t in zip(doc["plans"], timelines or (), strict=False):
+            from evenzero.timelineview import timeline_record
+
+            record["timeline"] = timeline_record(t)
+        json.dump(doc, sys.stdout)
         sys.stdout.write("\n")
         return 0
     from evenzero.planview import markdown_table, print_table
@@ -147,9 +187,29 @@ def run_plan(args: argparse.Namespace) -> int:
         sys.stdout.write(markdown_table(title, summaries))
     else:
         print_table(title, summaries)
-    if plot is not None:
-        print(f"wrote {plot}")
+    if timelines is not None:
+        from evenzero.timelineview import markdown_timeline, print_timeline
+
+        notes = [f"compute: {timelines[0].compute_source}"]
+        notes += [f"warning: {warning}"] if warning else []
+        ttitle = f"step timeline: {title}"
+        if args.markdown:
+            sys.stdout.write("\n" + markdown_timeline(ttitle, timelines, notes))
+        else:
+            print_timeline(ttitle, timelines, notes)
+    for path in (plot, gantt):
+        if path is not None:
+            print(f"wrote {path}")
     return 0
+
+
+def step_timelines(spec: ModelSpec, model: CostModel, plans) -> list:
+    """Each plan's predicted step, compute from the spec's FLOPs on the model's device."""
+    from evenzero.cost.compute import estimate_profile
+    from evenzero.cost.timeline import device_for, simulate
+
+    profile = estimate_profile(spec, device_for(model))
+    return [simulate(p, model, profile) for p in plans]
 
 
 # --------------------------------------------------------------------------- calibrate
@@ -199,14 +259,20 @@ def _print_calibration(model: CostModel, samples) -> None:
     from evenzero.planview import human_bytes
 
     table = Table(title=f"{model.name}: {model.description}", title_justify="left")
-    for col in ("op", "bytes", "measured", "fitted", "alpha (us)", "busbw (GB/s)"):
+    for col in ("op", "ranks", "bytes", "measured", "fitted", "alpha (us)", "busbw (GB/s)"):
         table.add_column(col, justify="right")
     for s in samples:
-        v = model.op(s.op).variants[0]
-        table.add_row(s.op, human_bytes(s.nbytes), f"{s.seconds * 1e3:.3f} ms",
-                      f"{model.time(s.op, s.group_size, s.nbytes) * 1e3:.3f} ms",
-                      f"{v.alpha_us:.1f}", f"{v.busbw_gbs:.3f}")
-    Console(width=120).print(table)
+        v, fitted = model.choose(s.op, s.group_size, s.nbytes)
+        table.add_row(f"{s.op} ({v.name})" if v.name != "measured" else s.op, str(s.group_size),
+                      human_bytes(s.nbytes), f"{s.seconds * 1e3:.3f} ms", f"{fitted * 1e3:.3f} ms",
+                      f"{model.alpha_us(v, s.group_size):.1f}", f"{v.busbw_gbs:.3f}")
+    console = Console(width=120)
+    console.print(table)
+    if model.compute is not None:
+        c = model.compute
+        console.print(f"compute per rank: {c.tflops * 1e3:.1f} GFLOP/s matmul, {c.memory_gbs:.1f} "
+                      f"GB/s copy, optimizer {c.optimizer_bytes_per_element:.0f} B/element, "
+                      f"{c.comm_slowdown:.2f}x slower beside a collective", highlight=False)
 
 
 # --------------------------------------------------------------------------- repro, bench
@@ -245,13 +311,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expert_parallel_size for the model's expert groups")
     p.add_argument("--strategy", action="extend", nargs="+", metavar="S",
                    help=f"one or more of {', '.join(STRATEGY_NAMES)}, or all (the default)")
-    p.add_argument("--bucket-numel", type=int, metavar="B",
-                   help="bucket size in elements (default: each strategy's own)")
+    p.add_argument("--bucket-numel", type=bucket_numel_arg, metavar="B|auto",
+                   help="bucket size in elements (default: each strategy's own; evenzero's is "
+                        "auto, the size with the shortest predicted step)")
     p.add_argument("--round-robin", action="store_true",
                    help="DeepSpeed round_robin_gradients")
     p.add_argument("--json", action="store_true", help="print the plans as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot backward message sizes per call")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument("--timeline", action="store_true",
+                   help="predict each strategy's step: forward, backward with overlap, exposed "
+                        "communication, step time")
+    p.add_argument("--timeline-plot", metavar="FILE.png",
+                   help="draw the step timelines as a Gantt chart (compute and comm lanes)")
+    p.add_argument("--tokens", type=int, metavar="N",
+                   help="tokens per micro-batch on one rank, for compute estimates "
+                        "(default: the model's)")
     p.add_argument("--cost", metavar="PRESET|FILE.json",
                    help=f"cost model: {', '.join(COST_PRESETS)}, or a file from "
                         f"`evenzero calibrate --json` (default h100-nvlink-8 for W <= 8, "

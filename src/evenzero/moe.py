@@ -24,6 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from evenzero.spec import mark_expert
+
 
 @dataclass(frozen=True)
 class ExpertGroups:
@@ -125,8 +127,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Expert(dim, ffn_dim or dim) for _ in range(self.num_local))
         if groups is not None:
             for p in self.experts.parameters():
-                p.allreduce = False
-                p.group_name = groups.group_name
+                mark_expert(p, groups.group_name)
 
     @property
     def global_expert_ids(self) -> range:

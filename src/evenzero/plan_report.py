@@ -18,7 +18,7 @@ from evenzero.plan import Bucket, Collective, Plan
 def collective_record(c: Collective) -> dict[str, Any]:
     """The JSON record of one collective call."""
     out: dict[str, Any] = {"phase": c.phase, "op": c.op, "group": c.group,
-                           "group_size": c.group_size, "root": c.root, "bucket": c.bucket,
+                           "group_size": c.group_size, "root": c.root, "bucket": c.buffer_index,
                            "offset": c.offset, "numel": c.numel, "itemsize": c.itemsize}
     if c.segments:
         out["segments"] = [list(s) for s in c.segments]

@@ -1,7 +1,7 @@
 """Models as parameter specs: names, shapes, groups and gradient-arrival order.
 
 A spec comes from an `nn.Module` built on the meta device (no memory is used), from a
-JSON file, or from a preset (`evenzero.presets`). The planner needs nothing else.
+JSON file, or from a preset (`evenzero.model_presets`). The planner needs nothing else.
 """
 
 from __future__ import annotations
@@ -9,13 +9,23 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 DENSE = "dense"
+LAYERS = ("", "linear", "embedding", "elementwise")
+"""`ParamSpec.layer` values; "" infers the kind from the shape (see `evenzero.cost.compute`)."""
+COMPUTE_KEYS = ("layer", "extra_backward_flops_per_token", "token_share")
+"""Optional per-parameter JSON keys that only compute estimates read."""
+
+
+def dtype_name(dtype: Any) -> str:
+    """A torch dtype's name without the "torch." prefix ("bfloat16"). Needs no torch import,
+    so the planner, the runtime and the checkpoints all spell dtypes this one way."""
+    return str(dtype).removeprefix("torch.")
 
 
 class SpecError(ValueError):
@@ -34,6 +44,15 @@ class ParamSpec:
     """Parameter group; groups with `expert_parallel_size` are reduced over expert-DP ranks."""
     dtype: str = "float32"
     """Storage dtype of the model parameter (float32, bfloat16, float16)."""
+    layer: str = ""
+    """Kind of layer, for compute estimates: "linear" (a matmul weight), "embedding",
+    "elementwise" (norms, biases); "" infers it: 2-D or more is linear, else elementwise."""
+    extra_backward_flops_per_token: float = 0.0
+    """Backward FLOPs per token of parameter-free work charged just before this
+    parameter's gradient (a preset puts attention's score products on a projection)."""
+    token_share: float = 1.0
+    """Fraction of the micro-batch's tokens this parameter's layer processes: 1 for dense
+    layers; about ep_size / num_experts for an expert of a top-1 MoE."""
 
     @property
     def numel(self) -> int:
@@ -66,6 +85,9 @@ class ModelSpec:
     arrival_source: str = "given"
     """Where `arrival` came from: given, measured (meta backward) or reverse-registration."""
     name: str = "model"
+    tokens: int | None = None
+    """Tokens one rank processes per micro-batch (sequences x length), for compute
+    estimates; None: unknown (the timeline then assumes a default and says so)."""
 
     def __post_init__(self) -> None:
         names = [p.name for p in self.params]
@@ -86,6 +108,22 @@ class ModelSpec:
                                 f"{sorted(DTYPE_BYTES)}")
             if any((not isinstance(d, int)) or d < 0 for d in p.shape):
                 raise SpecError(f"params[{p.name!r}].shape: {list(p.shape)} must be non-negative integers")
+            if p.layer not in LAYERS:
+                raise SpecError(f"params[{p.name!r}].layer: {p.layer!r} is not one of "
+                                f"{[x for x in LAYERS if x]}")
+            if (isinstance(p.extra_backward_flops_per_token, bool)
+                    or not isinstance(p.extra_backward_flops_per_token, (int, float))
+                    or not p.extra_backward_flops_per_token >= 0):
+                raise SpecError(f"params[{p.name!r}].extra_backward_flops_per_token: must be a "
+                                f"non-negative number, got {p.extra_backward_flops_per_token!r}")
+            if (isinstance(p.token_share, bool) or not isinstance(p.token_share, (int, float))
+                    or not 0 <= p.token_share <= 1):
+                raise SpecError(f"params[{p.name!r}].token_share: must be a number in [0, 1], "
+                                f"got {p.token_share!r}")
+        if self.tokens is not None and (isinstance(self.tokens, bool)
+                                        or not isinstance(self.tokens, int) or self.tokens < 1):
+            raise SpecError(f"tokens: must be a positive integer (tokens per micro-batch on one "
+                            f"rank), got {self.tokens!r}")
         for g in self.groups:
             if not isinstance(g.expert_parallel_size, int) or g.expert_parallel_size < 1:
                 raise SpecError(f"groups[{g.name!r}].expert_parallel_size: must be a positive "
@@ -127,7 +165,11 @@ class ModelSpec:
         return {p.name: p for p in self.params}
 
     def with_arrival(self, arrival: Iterable[str], source: str = "given") -> ModelSpec:
-        return ModelSpec(self.params, self.groups, tuple(arrival), source, self.name)
+        return replace(self, arrival=tuple(arrival), arrival_source=source)
+
+    def with_tokens(self, tokens: int | None) -> ModelSpec:
+        """The same model, with `tokens` per micro-batch for compute estimates."""
+        return replace(self, tokens=tokens)
 
     def without_grads(self, names: Iterable[str]) -> ModelSpec:
         """The same model where `names` never produce a gradient."""
@@ -137,13 +179,26 @@ class ModelSpec:
         return self.with_arrival([n for n in self.arrival_order if n not in drop], self.arrival_source)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "params": [{"name": p.name, "shape": list(p.shape), "group": p.group, "dtype": p.dtype}
-                       for p in self.params],
+        out: dict[str, Any] = {
+            "params": [_param_json(p) for p in self.params],
             "groups": {g.name: ({"expert_parallel_size": g.expert_parallel_size}
                                 if g.expert_parallel_size > 1 else {}) for g in self.groups},
             "arrival": list(self.arrival_order),
         }
+        if self.tokens is not None:
+            out["tokens"] = self.tokens
+        return out
+
+
+def _param_json(p: ParamSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": p.name, "shape": list(p.shape), "group": p.group, "dtype": p.dtype}
+    if p.layer:
+        out["layer"] = p.layer
+    if p.extra_backward_flops_per_token:
+        out["extra_backward_flops_per_token"] = p.extra_backward_flops_per_token
+    if p.token_share != 1.0:
+        out["token_share"] = p.token_share
+    return out
 
 
 # --------------------------------------------------------------------------- JSON
@@ -164,9 +219,14 @@ def from_json(data: Mapping[str, Any] | str | Path, name: str | None = None) -> 
         name = name or path.stem
     if not isinstance(data, Mapping):
         raise SpecError("top level: expected an object with \"params\"")
-    unknown = set(data) - {"params", "groups", "arrival"}
+    unknown = set(data) - {"params", "groups", "arrival", "tokens"}
     if unknown:
-        raise SpecError(f"top level: unknown key(s) {sorted(unknown)}; expected params, groups, arrival")
+        raise SpecError(f"top level: unknown key(s) {sorted(unknown)}; expected params, groups, "
+                        f"arrival, tokens")
+    tokens = data.get("tokens")
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+        raise SpecError(f"tokens: expected a positive integer (tokens per micro-batch on one "
+                        f"rank), got {tokens!r}")
     raw_params = data.get("params")
     if not isinstance(raw_params, list) or not raw_params:
         raise SpecError("params: expected a non-empty list of {\"name\", \"shape\"} objects")
@@ -193,7 +253,7 @@ def from_json(data: Mapping[str, Any] | str | Path, name: str | None = None) -> 
         if not isinstance(pname, str) or not pname:
             raise SpecError(f"{where}.name: expected a non-empty string")
         where = f"params[{i}] ({pname})"
-        bad = set(rp) - {"name", "shape", "group", "dtype"}
+        bad = set(rp) - {"name", "shape", "group", "dtype", *COMPUTE_KEYS}
         if bad:
             raise SpecError(f"{where}: unknown key(s) {sorted(bad)}")
         shape = rp.get("shape")
@@ -208,21 +268,45 @@ def from_json(data: Mapping[str, Any] | str | Path, name: str | None = None) -> 
         dtype = rp.get("dtype", "float32")
         if dtype not in DTYPE_BYTES:
             raise SpecError(f"{where}.dtype: {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-        params.append(ParamSpec(pname, tuple(shape), group, dtype))
+        layer = rp.get("layer", "")
+        if layer not in LAYERS:
+            raise SpecError(f"{where}.layer: {layer!r} is not one of {[x for x in LAYERS if x]}")
+        extra = rp.get("extra_backward_flops_per_token", 0.0)
+        if isinstance(extra, bool) or not isinstance(extra, (int, float)) or not extra >= 0:
+            raise SpecError(f"{where}.extra_backward_flops_per_token: expected a non-negative "
+                            f"number, got {extra!r}")
+        share = rp.get("token_share", 1.0)
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise SpecError(f"{where}.token_share: expected a number in [0, 1], got {share!r}")
+        params.append(ParamSpec(pname, tuple(shape), group, dtype, layer, float(extra), float(share)))
     arrival = data.get("arrival")
     if arrival is not None and (not isinstance(arrival, list)
                                 or any(not isinstance(a, str) for a in arrival)):
         raise SpecError("arrival: expected a list of parameter names")
     return ModelSpec(tuple(params), tuple(groups), tuple(arrival) if arrival is not None else None,
-                     "given" if arrival is not None else "reverse-registration", name or "model")
+                     "given" if arrival is not None else "reverse-registration", name or "model",
+                     tokens)
 
 
 # --------------------------------------------------------------------------- nn.Module
 
 
+def is_expert(param: Any) -> bool:
+    """DeepSpeed's MoE marker: an expert parameter has `param.allreduce = False` and is
+    reduced over its expert-data-parallel group (deepspeed/moe/utils.py@v0.19.8:27
+    `is_moe_param`)."""
+    return getattr(param, "allreduce", True) is False
+
+
+def mark_expert(param: Any, group_name: str) -> None:
+    """Set DeepSpeed's MoE marker on `param`, as deepspeed/moe/experts.py@v0.19.8:25 does."""
+    param.allreduce = False
+    param.group_name = group_name
+
+
 def expert_group_name(param: Any, default: str = "experts") -> str | None:
-    """DeepSpeed's MoE convention: `param.allreduce is False` marks an expert param."""
-    if getattr(param, "allreduce", True) is False:
+    """The expert group of a marked parameter (`param.group_name`), or None for a dense one."""
+    if is_expert(param):
         return str(getattr(param, "group_name", default))
     return None
 
@@ -253,6 +337,9 @@ def from_module(module: Any, example_input: Callable[[], Any] | Any | None = Non
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if not named:
         raise SpecError("module has no trainable parameters")
+    # Embedding tables are 2-D but cost a gather, not a matmul (evenzero.cost.compute).
+    embedding = {f"{m}.{n}" if m else n for m, mod in module.named_modules()
+                 if isinstance(mod, torch.nn.Embedding) for n, _ in mod.named_parameters(recurse=False)}
     groups: dict[str, GroupSpec] = {DENSE: GroupSpec(DENSE)}
     params = []
     for n, p in named:
@@ -263,8 +350,9 @@ def from_module(module: Any, example_input: Callable[[], Any] | Any | None = Non
             g = DENSE
         elif g not in groups:
             groups[g] = GroupSpec(g, options.expert_parallel_size)
-        dtype = str(p.dtype).removeprefix("torch.")
-        params.append(ParamSpec(n, tuple(p.shape), g, dtype))
+        dtype = dtype_name(p.dtype)
+        params.append(ParamSpec(n, tuple(p.shape), g, dtype,
+                                "embedding" if n in embedding else ""))
     used_groups = tuple(g for g in groups.values() if any(p.group == g.name for p in params))
 
     arrival = None

@@ -1,21 +1,25 @@
 """Sharded checkpoints of a `ZeroOptimizer`: save on N ranks, load on M.
 
-    path = evenzero.checkpoint.save(opt, "ckpt")     # ckpt/step-000123/, every rank
-    evenzero.checkpoint.load(opt, "ckpt")            # newest complete one, every rank
+    path = evenzero.checkpoint.save(opt, "ckpt", extra={"scheduler": sched.state_dict()})
+    manifest = evenzero.checkpoint.load(opt, "ckpt")    # newest complete one, every rank
+    sched.load_state_dict(manifest.extra["scheduler"])
 
 Each rank writes only what it owns: for every run of a parameter in its flat shard, the
 fp32 master and optimizer-state slices (`evenzero.checkpoint.format`), so the files do
 not depend on world size or bucket size and a load reshards by parameter name and
-range (`evenzero.checkpoint.reshard`). Rank 0 adds the model's buffers and frozen parameters and,
-once every rank has written and fsynced, the manifest; then it renames the staging
-directory into place (`evenzero.checkpoint.files`). A crash at any point leaves the
-previous checkpoint as the newest complete one.
+range (`evenzero.checkpoint.reshard`). Rank 0 adds the model's buffers and frozen
+parameters; every rank that passes `extra=` adds its own training state (scheduler,
+data position, RNG: `evenzero.checkpoint.userstate`). Once every rank has written and
+fsynced, rank 0 writes the manifest and publishes the staging directory
+(`evenzero.checkpoint.files`): at every instant the previous complete checkpoint, or
+the new one, is loadable, also when a step or tag is saved again.
 
 Every collective step ends in an agreement: each rank reports whether it failed and the
 job raises the same `CheckpointError` on every rank, so a bad file or a full disk on one
 rank never leaves the others waiting in a collective. A load validates everything
-(manifest, checksums, names, shapes, optimizer) and reads every tensor before it
-changes any state.
+(manifest, checksums, names, shapes, optimizer, option values) and reads every tensor
+before it changes any state. A published checkpoint that is damaged is reported, never
+skipped for an older one.
 
 To leave evenzero (or arrive from plain PyTorch), `export_consolidated(opt, path)` and
 `import_consolidated(opt, path)` (from `evenzero.checkpoint.consolidate`, re-exported here) write
@@ -25,7 +29,10 @@ and read a whole `model.state_dict()` and a torch optimizer state dict keyed by 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import operator
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +58,6 @@ from evenzero.checkpoint.format import (
     StoredGroup,
     StoredParam,
     StoredTensor,
-    decode_value,
-    encode_value,
     merge_indices,
     rank_file,
     step_dirname,
@@ -70,63 +75,107 @@ from evenzero.checkpoint.state import (
     optimizer_class,
     trainable_names,
 )
+from evenzero.checkpoint.userstate import read_user_state, write_user_state
+from evenzero.checkpoint.values import decode_value, encode_value
 
 
-def save(opt: Any, directory: str | os.PathLike, step: int | None = None) -> Path:
-    """Write `directory/step-NNNNNN/` from every rank (a collective); returns its path.
+def save(opt: Any, directory: str | os.PathLike, step: int | None = None, *,
+         extra: Any = None, tag: str | None = None) -> Path:
+    """Write a checkpoint under `directory` from every rank (a collective); returns its path.
 
-    `step` defaults to the optimizer's step count. Saving a step that already exists
-    replaces it.
+    Args:
+        step: recorded in the manifest and naming the directory `step-NNNNNN`; defaults
+            to the optimizer's step count. A non-negative integer.
+        extra: this rank's own training state (scheduler `state_dict()`, data position,
+            RNG states, ...): any nesting of dict, list, tuple, str, int, float, bool, None
+            and torch tensors. Ranks may pass different values (RNG states differ); `load`
+            gives each rank its own back as `Manifest.extra`.
+        tag: save as `directory/<tag>` instead of `step-NNNNNN` (DeepSpeed's tag): one
+            directory name, without separators, not empty and not starting with `.`.
+
+    Saving a step or tag that already exists replaces it; until the new copy is published
+    the old one stays loadable, and a crash at any point leaves one of the two.
     """
     place = RankPlace.of(opt)
-    step = int(opt.step_count if step is None else step)
     root = Path(directory)
-    final = root / step_dirname(step)
-    tmp = root / f"{checkpoint_io.TMP_PREFIX}{final.name}"
-    # Rank 0 creates the staging directory before anyone writes into it.
-    made = attempt(lambda: checkpoint_io.prepare_tmp(root, tmp)) if place.rank == 0 else None
-    agree(place, made[1] if made else None, "preparing " + str(tmp))
-    extras_record, err = attempt(lambda: _write_rank(opt, place, tmp))
-    agree(place, err, "writing shards to " + str(tmp))
+    named, err = attempt(lambda: _checkpoint_name(opt, step, tag))
+    mine = named[1] if named else None
+    agree(place, err, f"saving to {root}", same=zlib.crc32(repr(named).encode()),
+          differ=f"ranks passed different steps or tags to save() (this rank: {mine}); every "
+                 f"rank must save the same checkpoint")
+    step, name = named
+    final = root / name
+    made = attempt(lambda: checkpoint_io.prepare_staging(root, name)) if place.rank == 0 else None
+    staging = made[0] if made else root / (checkpoint_io.STAGING + name)
+    agree(place, made[1] if made else None, f"preparing {staging}")
+    extras_record, err = attempt(lambda: _write_rank(opt, place, staging, extra))
+    agree(place, err, f"writing {staging}")
     err = None
     if place.rank == 0:
-        _, err = attempt(lambda: _finalise(opt, place, tmp, final, step, extras_record))
-    agree(place, err, "publishing " + str(final))
+        _, err = attempt(lambda: _finalise(opt, place, staging, final, step, extras_record))
+    agree(place, err, f"publishing {final}")
     return final
 
 
-def load(opt: Any, directory: str | os.PathLike) -> Manifest:
-    """Load `directory` (a step-* directory, or the newest complete one under it).
+def load(opt: Any, path: str | os.PathLike, *, tag: str | None = None) -> Manifest:
+    """Load a checkpoint into `opt` and its model on every rank (a collective).
 
-    A collective: raises the same `CheckpointError` on every rank if any rank finds a
-    problem, and then no state has changed.
+    `path` is a checkpoint directory, or a directory of them: then the newest published
+    `step-*` one; with `tag`, `path/<tag>`. Any world size and bucket size load. Raises the
+    same `CheckpointError` on every rank if any rank finds a problem, and then no state
+    has changed. Returns the manifest, whose `extra` is this rank's saved `extra` (the
+    saving rank with the same number; rank 0's when the saving world was smaller), or
+    None if that rank saved none.
     """
     place = RankPlace.of(opt)
 
     def stage() -> tuple[Manifest, StagedState]:
-        path = checkpoint_io.resolve(Path(directory))
-        manifest = checkpoint_io.read_manifest(path)
-        check_compatible(manifest, local_model(opt, place), str(path))
-        return manifest, _stage(opt, place, path, manifest)
+        found = checkpoint_io.resolve(Path(path), tag)
+        manifest = checkpoint_io.read_manifest(found)
+        check_compatible(manifest, local_model(opt, place), str(found))
+        staged = _stage(opt, place, found, manifest)
+        return dataclasses.replace(manifest, extra=read_user_state(found, manifest,
+                                                                   place.rank)), staged
 
     result, err = attempt(stage)
     step = result[0].step if result else -1
-    agree(place, err, f"loading {directory}", same=step)
+    agree(place, err, f"loading {path}" + (f" tag {tag!r}" if tag is not None else ""),
+          same=step)
     manifest, staged = result
     apply(opt, staged)
     return manifest
 
 
 def latest(directory: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint under `directory`, or None (no collective)."""
-    return checkpoint_io.newest_complete(Path(directory))
+    """The newest published `step-*` checkpoint under `directory`, or None (no collective).
+
+    Tagged checkpoints are not ordered by step; load them by tag.
+    """
+    return checkpoint_io.newest(Path(directory))
+
+
+def _checkpoint_name(opt: Any, step: Any, tag: str | None) -> tuple[int, str]:
+    """(step, directory name) of a save, refusing what `load` and `latest` could not find."""
+    value = opt.step_count if step is None else step
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise CheckpointError(f"save(step={value!r}): the step must be a non-negative integer, "
+                              f"not {type(value).__name__}") from None
+    if value < 0:
+        raise CheckpointError(f"save(step={value}): the step must be a non-negative integer")
+    return value, step_dirname(value) if tag is None else checkpoint_io.check_tag(tag)
 
 
 # --------------------------------------------------------------------------- save
 
 
-def _write_rank(opt: Any, place: RankPlace, tmp: Path) -> FileRecord | None:
-    """Write this rank's runs (and, on rank 0, the extras); return the extras' record."""
+def _write_rank(opt: Any, place: RankPlace, tmp: Path, extra: Any) -> FileRecord | None:
+    """Write this rank's runs and user state (and, on rank 0, the model extras); return the
+    model extras' record."""
+    user = write_user_state(tmp, place.rank, extra) if extra is not None else None
     named = trainable_names(opt)
     file = rank_file(place.rank)
     tensors: dict[str, torch.Tensor] = {}
@@ -147,7 +196,7 @@ def _write_rank(opt: Any, place: RankPlace, tmp: Path) -> FileRecord | None:
         groups.append(StoredGroup(g.name, gp.expert_parallel_size, g.size, encode_value(hyper),
                                   encode_value(scalars), tuple(k for k in flats if k != MASTER)))
     record = checkpoint_io.write_file(tmp / file, tensors, place.rank)
-    index_text = RankIndex(record, tuple(params), tuple(groups)).dumps()
+    index_text = RankIndex(record, tuple(params), tuple(groups), user).dumps()
     checkpoint_io.write_text(tmp / _index_name(place.rank), index_text)
     if place.rank != 0:
         return None
@@ -162,10 +211,13 @@ def _finalise(opt: Any, place: RankPlace, tmp: Path, final: Path, step: int,
     extras = tuple(StoredTensor(n, tuple(t.shape), dtype_name(t.dtype))
                    for n, t in extra_tensors(opt).items())
     scaler = getattr(opt, "loss_scaler", None)
+    users = tuple(i.user_state for i in indices if i.user_state is not None)
     manifest = Manifest(step, int(opt.step_count), place.world_size, opt.plan.strategy,
                         _version(), optimizer_class(opt.optimizer), groups, params,
-                        tuple(i.file for i in indices) + ((extras_record,) if extras_record else ()),
-                        extras, encode_value(scaler.state_dict()) if scaler is not None else None)
+                        tuple(i.file for i in indices) + users +
+                        ((extras_record,) if extras_record else ()),
+                        extras, encode_value(scaler.state_dict()) if scaler is not None else None,
+                        {u.rank: u.name for u in users})
     # Parse what we are about to publish: a manifest that does not tile every parameter
     # would only be caught at load time, when the previous checkpoint may be gone.
     Manifest.from_json(manifest.to_json(), str(tmp / MANIFEST))

@@ -32,10 +32,12 @@ def attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
         return None, e
 
 
-def agree(place: RankPlace, err: BaseException | None, doing: str, same: int | None = None) -> None:
+def agree(place: RankPlace, err: BaseException | None, doing: str, same: int | None = None,
+          differ: str | None = None) -> None:
     """Raise the same error on every rank if any rank failed (also a barrier).
 
-    With `same`, every rank must also hold the same value (e.g. the step it loads).
+    With `same`, every rank must also hold the same value (e.g. the step it loads); if
+    they do not, every rank raises `differ` (default: they found different checkpoints).
     """
     if place.world_size == 1:
         if err is not None:
@@ -60,15 +62,17 @@ def agree(place: RankPlace, err: BaseException | None, doing: str, same: int | N
         more = f"; {len(reports) - 1} other rank(s) failed too" if len(reports) > 1 else ""
         raise CheckpointError(f"rank {first_rank}: {first}{more}") from err
     if hi != -lo:
-        raise CheckpointError(f"{doing}: ranks found different checkpoints (steps {-lo} to {hi}); "
-                              f"another job may be saving into the same directory")
+        raise CheckpointError(f"{doing}: " + (differ or f"ranks found different checkpoints "
+                                                        f"(steps {-lo} to {hi}); another job may "
+                                                        f"be saving into the same directory"))
 
 
 def _as_checkpoint_error(err: BaseException, doing: str) -> CheckpointError:
     if isinstance(err, CheckpointError):
         return err
     if isinstance(err, OSError):
-        return CheckpointError(f"{doing}: {err.strerror or err} ({err.filename or 'no file'})")
+        where = f" ({err.filename})" if err.filename else ""
+        return CheckpointError(f"{doing}: {err.strerror or err}{where}")
     return CheckpointError(f"{doing}: {type(err).__name__}: {err}")
 
 

@@ -2,17 +2,28 @@
 
 Everything that would make a load silently wrong is checked here, against a
 `LocalModel` that the caller builds from the running optimizer: parameter names,
-shapes and groups, expert-parallel sizes, the optimizer class and its option and state
-keys, and the model's buffers. The first difference raises a `CheckpointError` that
-names the parameter (or option) and the fix.
+shapes and groups, expert-parallel sizes, the optimizer class and its own options, and
+the model's buffers. The first difference raises a `CheckpointError` that names the
+parameter (or option) and the fix.
+
+Param-group options follow torch's `Optimizer.load_state_dict`, which takes the saved
+groups whole: saved values win. Keys that LR schedulers and users add to groups
+(`initial_lr`, ...) are not the optimizer's setup, so only the optimizer class's own
+options (its `defaults`) must be present; keys only in the running groups are kept
+(`evenzero.checkpoint.state.apply`). Saved optimizer state replaces the running state
+whole, as in torch, so a checkpoint from before the first step (no state) rewinds a
+trained optimizer to an empty state. Every saved option and scalar is checked to be a
+value of the kind the running optimizer holds (a number for a number, finite).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from evenzero.checkpoint.format import CheckpointError, Manifest, StoredTensor, storage_name
+from evenzero.checkpoint.values import decode_value, non_finite
 
 
 @dataclass(frozen=True)
@@ -35,10 +46,10 @@ class LocalModel:
     ep_ranks: Mapping[str, int]
     """Plan group name -> this rank's expert-parallel rank in it (0 for dense groups)."""
     optimizer_class: str
-    hyperparameter_keys: Mapping[str, frozenset[str]]
-    """Plan group name -> keys of its torch param group (lr, betas, ...)."""
-    state_keys: Mapping[str, frozenset[str]]
-    """Plan group name -> optimizer-state keys present now; empty before the first step."""
+    option_keys: frozenset[str]
+    """The optimizer class's own options (the keys of its `defaults`: lr, betas, ...)."""
+    hyperparameters: Mapping[str, Mapping[str, Any]]
+    """Plan group name -> its torch param group now, without "params"."""
     extras: tuple[StoredTensor, ...]
 
 
@@ -59,17 +70,14 @@ def check_compatible(m: Manifest, local: LocalModel, where: str) -> None:
             raise CheckpointError(f"{where}: group {name!r} was saved with expert_parallel_size "
                                   f"{g.expert_parallel_size}, this run uses {e}; resharding "
                                   f"changes only the data-parallel size, keep E={g.expert_parallel_size}")
-        saved_hyper = frozenset(g.hyperparameters)
-        if saved_hyper != local.hyperparameter_keys[name]:
-            diff = sorted(saved_hyper ^ local.hyperparameter_keys[name])
-            raise CheckpointError(f"{where}: optimizer options of group {name!r} differ in "
-                                  f"{diff}; the checkpoint is from a different optimizer setup")
-        now = local.state_keys.get(name, frozenset())
-        saved = frozenset(g.state_keys) | frozenset(g.scalars)
-        if now and now != saved:
-            raise CheckpointError(f"{where}: optimizer state of group {name!r} has keys "
-                                  f"{sorted(saved)} in the checkpoint but {sorted(now)} here; "
-                                  f"the checkpoint is from a different optimizer")
+        missing = sorted(local.option_keys - set(g.hyperparameters))
+        if missing:
+            raise CheckpointError(f"{where}: optimizer options of group {name!r} lack {missing}, "
+                                  f"which {local.optimizer_class} defines; the checkpoint is from "
+                                  f"a different optimizer setup (or a torch release without "
+                                  f"these options)")
+        check_options(g.hyperparameters, g.scalars, local.hyperparameters[name],
+                      f"{where}: group {name!r}")
     saved = {p.key: p for p in m.params}
     wanted: set[str] = set()
     for lp in local.params:
@@ -104,3 +112,53 @@ def check_compatible(m: Manifest, local: LocalModel, where: str) -> None:
     if missing:
         raise CheckpointError(f"{where}: checkpoint has model entr(ies) {missing[:5]} that this "
                               f"model lacks; it is from a different model")
+
+
+def check_options(saved: Mapping[str, Any], scalars: Mapping[str, Any],
+                  now: Mapping[str, Any], where: str) -> None:
+    """Saved param-group options and scalar state (JSON-encoded) hold finite values of the
+    kind the running group holds; a counter such as Adam's `step` is not negative."""
+    try:
+        options, state = decode_value(dict(saved)), decode_value(dict(scalars))
+    except (CheckpointError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: undecodable option or state ({e}); the checkpoint is "
+                              f"damaged") from None
+    for kind, values in (("option", options), ("optimizer state", state)):
+        for key, value in values.items():
+            bad = non_finite(value, repr(key))
+            if bad:
+                raise CheckpointError(f"{where}: {kind} {bad} is {value!r}, not finite; the "
+                                      f"checkpoint is damaged")
+            if key in now and not _same_kind(value, now[key]):
+                raise CheckpointError(f"{where}: {kind} {key!r} is {value!r} in the checkpoint but "
+                                      f"{now[key]!r} here, a value of another kind; the checkpoint "
+                                      f"is damaged")
+    step = state.get("step")
+    if step is not None and (not _is_number(step) or float(step) < 0):
+        raise CheckpointError(f"{where}: optimizer state 'step' is {step!r}, not a non-negative "
+                              f"count; the checkpoint is damaged")
+
+
+def _is_number(value: Any) -> bool:
+    """An int or float (not a bool), or a one-element real tensor (torch allows a tensor lr)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and value.dtype != torch.bool and not value.is_complex()
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _same_kind(saved: Any, now: Any) -> bool:
+    """Could `saved` stand where the running group holds `now`? Numbers go with numbers;
+    a bool flag may be None (`foreach`, `fused`); an option that is None now (unset) takes
+    any value."""
+    if _is_number(now):
+        return _is_number(saved)
+    if isinstance(now, bool):
+        return saved is None or isinstance(saved, bool)
+    if isinstance(now, str):
+        return saved is None or isinstance(saved, str)
+    if isinstance(now, (tuple, list)):
+        return isinstance(saved, (tuple, list)) and len(saved) == len(now) and \
+            all(_same_kind(a, b) for a, b in zip(saved, now, strict=True))
+    return True

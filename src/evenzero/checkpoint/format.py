@@ -1,7 +1,9 @@
 """The on-disk checkpoint format: a JSON manifest over per-rank safetensors files.
 
 A checkpoint directory `step-000123/` holds `manifest.json`, one `rank-NNNNN.safetensors`
-per rank and, from rank 0, `model-extra.safetensors` (buffers and frozen parameters).
+per rank, from rank 0 `model-extra.safetensors` (buffers and frozen parameters) and, from
+each rank that passed `extra=` to `save`, `user-state-rank-NNNNN.safetensors`
+(`evenzero.checkpoint.userstate`).
 Each rank file stores, for every run of a parameter that the rank owns, the fp32 master
 slice and the optimizer-state slices, keyed by parameter name and element range:
 
@@ -14,15 +16,18 @@ loader maps ranges by parameter name (see `evenzero.checkpoint.reshard`). Expert
 group with expert-parallel size E > 1 differ across the E expert-parallel ranks that
 share a local name, so they are stored as `name@ep<e>`; E must match on load.
 
-This module is pure data and validation; it never reads tensors.
+This module is pure data and validation; it never reads tensors. A manifest from
+elsewhere is not trusted: every count is an integer in range, every file name a plain
+name inside the checkpoint directory, and the runs of every parameter tile it exactly.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 FORMAT = "evenzero-checkpoint"
@@ -31,8 +36,8 @@ MANIFEST = "manifest.json"
 EXTRA_FILE = "model-extra.safetensors"
 MASTER = "master"
 """Tensor kind of the fp32 master weights; every other kind is an optimizer-state key."""
-SMALL_TENSOR_NUMEL = 64
-"""Tensors up to this size that are not shard-shaped (Adam's `step`) go into the JSON."""
+PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+"""A file name in a manifest: no separators, not hidden, not `.` or `..`."""
 
 
 class CheckpointError(RuntimeError):
@@ -54,56 +59,6 @@ def storage_name(param: str, expert_parallel_size: int, ep_rank: int) -> str:
 
 def tensor_key(storage: str, kind: str, start: int) -> str:
     return f"{storage}::{kind}::{start}"
-
-
-# --------------------------------------------------------------------------- JSON values
-
-
-def encode_value(value: Any) -> Any:
-    """Optimizer hyperparameters, scalar state and loss-scaler state as exact JSON.
-
-    Tuples and small tensors are tagged so that decoding gives back the same types
-    (Adam's betas stay a tuple, its `step` a 0-d float32 tensor).
-    """
-    import torch
-
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, torch.Tensor):
-        if value.numel() > SMALL_TENSOR_NUMEL:
-            raise CheckpointError(f"tensor of shape {list(value.shape)} is too large to store as "
-                                  f"a scalar; only shard-shaped optimizer state is sharded")
-        return {"__tensor__": {"dtype": str(value.dtype).removeprefix("torch."),
-                               "shape": list(value.shape),
-                               "values": value.detach().cpu().flatten().tolist()}}
-    if isinstance(value, tuple):
-        return {"__tuple__": [encode_value(v) for v in value]}
-    if isinstance(value, list):
-        return [encode_value(v) for v in value]
-    if isinstance(value, Mapping):
-        if not all(isinstance(k, str) for k in value):
-            raise CheckpointError(f"cannot store a dict with non-string keys {list(value)[:4]}")
-        return {k: encode_value(v) for k, v in value.items()}
-    raise CheckpointError(f"cannot store a value of type {type(value).__name__} in a checkpoint")
-
-
-def decode_value(value: Any, device: Any = None) -> Any:
-    import torch
-
-    if isinstance(value, list):
-        return [decode_value(v, device) for v in value]
-    if isinstance(value, dict):
-        if set(value) == {"__tensor__"}:
-            t = value["__tensor__"]
-            dtype = getattr(torch, t["dtype"], None)
-            if not isinstance(dtype, torch.dtype):
-                raise CheckpointError(f"unknown tensor dtype {t['dtype']!r} in manifest")
-            out = torch.tensor(t["values"], dtype=dtype).reshape(t["shape"])
-            return out if device is None else out.to(device)
-        if set(value) == {"__tuple__"}:
-            return tuple(decode_value(v, device) for v in value["__tuple__"])
-        return {k: decode_value(v, device) for k, v in value.items()}
-    return value
 
 
 # --------------------------------------------------------------------------- manifest
@@ -185,7 +140,7 @@ class Manifest:
     """Everything needed to validate and load a checkpoint before reading any tensor."""
 
     step: int
-    """The step the checkpoint directory is named after."""
+    """The step the checkpoint was saved at (its `step-NNNNNN` name unless tagged)."""
     step_count: int
     """The optimizer's step counter when saved."""
     world_size: int
@@ -200,6 +155,13 @@ class Manifest:
     """Buffers and frozen parameters, stored whole in EXTRA_FILE by rank 0."""
     loss_scaler: Any = None
     """The loss scaler's state dict, JSON-encoded; None when there is none."""
+    user_state: Mapping[int, str] = field(default_factory=dict)
+    """Saving rank -> file holding the `extra=` state it passed to `save` (ranks that
+    passed none are absent)."""
+    extra: Any = None
+    """Set by `load` only, never stored here: this rank's saved `extra` state (the state
+    of the saving rank with the same number; rank 0's when the saving world had no such
+    rank), None when that rank saved none."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -209,10 +171,10 @@ class Manifest:
             "optimizer": {"class": self.optimizer_class,
                           "groups": [_group_json(g) for g in self.groups]},
             "loss_scaler": self.loss_scaler,
-            "files": [{"name": f.name, "rank": f.rank, "sha256": f.sha256, "bytes": f.nbytes}
-                      for f in self.files],
+            "files": [_file_json(f) for f in self.files],
             "params": {p.key: _param_json(p) for p in self.params},
             "extras": {t.name: {"shape": list(t.shape), "dtype": t.dtype} for t in self.extras},
+            "user_state": {str(r): name for r, name in sorted(self.user_state.items())},
         }
 
     @staticmethod
@@ -220,9 +182,12 @@ class Manifest:
         """Parse and check internal consistency; every error names `where` and the field."""
         try:
             return _parse(data, where)
-        except (KeyError, TypeError, ValueError) as e:
-            if isinstance(e, CheckpointError):
-                raise
+        except CheckpointError:
+            raise
+        except _Damaged as e:
+            raise CheckpointError(f"{where}: {e}; the checkpoint is damaged, load an older "
+                                  f"one") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(f"{where}: malformed manifest ({type(e).__name__}: {e}); "
                                   f"the checkpoint is damaged, load an older one") from None
 
@@ -236,16 +201,62 @@ class Manifest:
         raise KeyError(name)
 
 
+class _Damaged(ValueError):
+    """A field of a manifest that this evenzero cannot have written; the message names it."""
+
+
+def _whole(value: Any, name: str, minimum: int = 0) -> int:
+    """`value` if it is an int (not a bool) of at least `minimum`, else `_Damaged`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _Damaged(f"{name} is {value!r}, not an integer")
+    if value < minimum:
+        raise _Damaged(f"{name} is {value}, below {minimum}")
+    return value
+
+
+def _text(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise _Damaged(f"{name} is {value!r}, not a string")
+    return value
+
+
+def _plain_name(value: Any, name: str) -> str:
+    if not isinstance(value, str) or not PLAIN_NAME.fullmatch(value):
+        raise _Damaged(f"{name} {value!r} is not a plain file name inside the checkpoint "
+                      f"directory (no path, separator, '..' or leading '.')")
+    return value
+
+
+def _file_json(f: FileRecord) -> dict[str, Any]:
+    return {"name": f.name, "rank": f.rank, "sha256": f.sha256, "bytes": f.nbytes}
+
+
+def _file_parse(f: Mapping[str, Any], name: str) -> FileRecord:
+    digest = _text(f["sha256"], f"{name}.sha256")
+    if not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise _Damaged(f"{name}.sha256 {digest!r} is not a sha256 hex digest")
+    return FileRecord(_plain_name(f["name"], f"{name}.name"), _whole(f["rank"], f"{name}.rank"),
+                      digest, _whole(f["bytes"], f"{name}.bytes"))
+
+
 def _param_json(p: StoredParam) -> dict[str, Any]:
     return {"name": p.name, "group": p.group, "ep_rank": p.ep_rank, "shape": list(p.shape),
             "dtype": p.dtype, "ranges": [[r.file, r.start, r.numel] for r in p.ranges]}
 
 
 def _param_parse(key: str, p: Mapping[str, Any]) -> StoredParam:
-    ranges = tuple(sorted((StoredRange(str(f), int(s), int(n)) for f, s, n in p["ranges"]),
-                          key=lambda r: r.start))
-    return StoredParam(key, p["name"], p["group"], int(p["ep_rank"]),
-                       tuple(int(d) for d in p["shape"]), p["dtype"], ranges)
+    at = f"params[{key!r}]"
+    ranges = []
+    for i, run in enumerate(p["ranges"]):
+        f, s, n = run
+        ranges.append(StoredRange(_plain_name(f, f"{at}.ranges[{i}] file"),
+                                  _whole(s, f"{at}.ranges[{i}] start"),
+                                  _whole(n, f"{at}.ranges[{i}] numel")))
+    return StoredParam(key, _text(p["name"], f"{at}.name"), _text(p["group"], f"{at}.group"),
+                       _whole(p["ep_rank"], f"{at}.ep_rank"),
+                       tuple(_whole(d, f"{at}.shape") for d in p["shape"]),
+                       _text(p["dtype"], f"{at}.dtype"),
+                       tuple(sorted(ranges, key=lambda r: r.start)))
 
 
 def _group_json(g: StoredGroup) -> dict[str, Any]:
@@ -254,9 +265,31 @@ def _group_json(g: StoredGroup) -> dict[str, Any]:
             "state_keys": list(g.state_keys)}
 
 
-def _group_parse(g: Mapping[str, Any]) -> StoredGroup:
-    return StoredGroup(g["name"], int(g["expert_parallel_size"]), int(g["size"]),
-                       dict(g["hyperparameters"]), dict(g["scalars"]), tuple(g["state_keys"]))
+def _group_parse(g: Mapping[str, Any], at: str) -> StoredGroup:
+    for part in ("hyperparameters", "scalars"):
+        if not isinstance(g[part], Mapping):
+            raise _Damaged(f"{at}.{part} is not an object")
+    return StoredGroup(_text(g["name"], f"{at}.name"),
+                       _whole(g["expert_parallel_size"], f"{at}.expert_parallel_size", 1),
+                       _whole(g["size"], f"{at}.size", 1), dict(g["hyperparameters"]),
+                       dict(g["scalars"]),
+                       tuple(_text(k, f"{at}.state_keys") for k in g["state_keys"]))
+
+
+def _scaler_parse(state: Any) -> Any:
+    """The loss scaler's JSON state, its numbers checked (a NaN scale would stick)."""
+    if state is None:
+        return None
+    if not isinstance(state, Mapping):
+        raise _Damaged("loss_scaler is not an object")
+    scale = state.get("scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
+            or not math.isfinite(scale) or scale <= 0:
+        raise _Damaged(f"loss_scaler.scale is {scale!r}, not a finite positive number")
+    for key in ("good_steps", "overflows"):
+        if key in state:
+            _whole(state[key], f"loss_scaler.{key}")
+    return state
 
 
 def _parse(data: Any, where: str) -> Manifest:
@@ -266,21 +299,37 @@ def _parse(data: Any, where: str) -> Manifest:
         raise CheckpointError(f"{where}: format version {data.get('format_version')!r}, this "
                               f"evenzero reads version {FORMAT_VERSION}; load it with a matching "
                               f"evenzero release and export_consolidated() it")
-    files = tuple(FileRecord(f["name"], int(f["rank"]), str(f["sha256"]), int(f["bytes"]))
-                  for f in data["files"])
+    world = _whole(data["world_size"], "world_size", 1)
+    files = tuple(_file_parse(f, f"files[{i}]") for i, f in enumerate(data["files"]))
     known = {f.name for f in files}
+    if len(known) != len(files):
+        raise _Damaged("files lists a file name twice")
+    for f in files:
+        if f.rank >= world:
+            raise _Damaged(f"file {f.name!r} is written by rank {f.rank} of {world}")
     params = []
     for key, p in data["params"].items():
         sp = _param_parse(key, p)
         _check_coverage(sp, known, where)
         params.append(sp)
     opt = data["optimizer"]
-    groups = tuple(_group_parse(g) for g in opt["groups"])
-    extras = tuple(StoredTensor(n, tuple(int(d) for d in t["shape"]), t["dtype"])
+    groups = tuple(_group_parse(g, f"optimizer.groups[{i}]") for i, g in enumerate(opt["groups"]))
+    if len({g.name for g in groups}) != len(groups):
+        raise _Damaged("optimizer.groups lists a group name twice")
+    extras = tuple(StoredTensor(n, tuple(_whole(d, f"extras[{n!r}].shape") for d in t["shape"]),
+                                _text(t["dtype"], f"extras[{n!r}].dtype"))
                    for n, t in data.get("extras", {}).items())
-    return Manifest(int(data["step"]), int(data["step_count"]), int(data["world_size"]),
-                    str(data["strategy"]), str(data["library_version"]), str(opt["class"]),
-                    groups, tuple(params), files, extras, data.get("loss_scaler"))
+    user_state = {}
+    for r, name in data.get("user_state", {}).items():
+        if not r.isdigit() or int(r) >= world or name not in known:
+            raise _Damaged(f"user_state entry {r!r}: {name!r} is not a listed file of a rank "
+                          f"below {world}")
+        user_state[int(r)] = name
+    return Manifest(_whole(data["step"], "step"), _whole(data["step_count"], "step_count"), world,
+                    _text(data["strategy"], "strategy"),
+                    _text(data["library_version"], "library_version"),
+                    _text(opt["class"], "optimizer.class"), groups, tuple(params), files, extras,
+                    _scaler_parse(data.get("loss_scaler")), user_state)
 
 
 @dataclass(frozen=True)
@@ -294,20 +343,23 @@ class RankIndex:
     """This rank's runs only (every range points at `file`)."""
     groups: tuple[StoredGroup, ...]
     """This rank's view of hyperparameters and scalar state, checked equal on merge."""
+    user_state: FileRecord | None = None
+    """The file with this rank's `extra=` state, if it passed one."""
 
     def dumps(self) -> str:
-        return json.dumps({"file": {"name": self.file.name, "rank": self.file.rank,
-                                    "sha256": self.file.sha256, "bytes": self.file.nbytes},
+        return json.dumps({"file": _file_json(self.file),
                            "params": {p.key: _param_json(p) for p in self.params},
-                           "groups": [_group_json(g) for g in self.groups]})
+                           "groups": [_group_json(g) for g in self.groups],
+                           "user_state": _file_json(self.user_state) if self.user_state else None})
 
     @staticmethod
     def loads(text: str) -> RankIndex:
         d = json.loads(text)
-        f = d["file"]
-        return RankIndex(FileRecord(f["name"], int(f["rank"]), f["sha256"], int(f["bytes"])),
+        user = d.get("user_state")
+        return RankIndex(_file_parse(d["file"], "file"),
                          tuple(_param_parse(k, p) for k, p in d["params"].items()),
-                         tuple(_group_parse(g) for g in d["groups"]))
+                         tuple(_group_parse(g, "group") for g in d["groups"]),
+                         _file_parse(user, "user_state") if user else None)
 
 
 def merge_indices(indices: list[RankIndex]) -> tuple[tuple[StoredParam, ...],

@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from evenzero.checkpoint.compat import LocalModel, LocalParam
 from evenzero.checkpoint.format import MASTER, CheckpointError, StoredTensor, storage_name
+from evenzero.runtime.collectives import control_device
+from evenzero.spec import dtype_name
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,7 @@ class RankPlace:
     """Rank in the optimizer's data-parallel world."""
     world_size: int
     device: torch.device
-    """Where small agreement tensors live (the CUDA device under NCCL)."""
+    """Where small agreement tensors live (`evenzero.runtime.control_device`)."""
     group: Any
     """The optimizer's data-parallel world process group (None without torch.distributed)."""
     ep_ranks: Mapping[str, int]
@@ -44,9 +46,8 @@ class RankPlace:
             return RankPlace._check(opt, RankPlace(0, 1, torch.device("cpu"), None,
                                                    {g.name: 0 for g in opt.plan.groups}))
         world = _world_group(opt)
-        backend = str(dist.get_backend(world))
-        device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend
-                  else torch.device("cpu"))
+        # The runtime's rule, so checkpoints agree on the device the optimizer uses.
+        device = control_device(world, opt.master_shard(opt.plan.groups[0].name).device)
         rank, size = dist.get_rank(world), dist.get_world_size(world)
         RankPlace._check(opt, RankPlace(rank, size, device, world, {}))
         return RankPlace(rank, size, device, world, _ep_ranks(opt, world, size, device))
@@ -167,12 +168,11 @@ def extra_tensors(opt: Any) -> dict[str, torch.Tensor]:
 def local_model(opt: Any, place: RankPlace) -> LocalModel:
     named = trainable_names(opt)
     params = []
-    ep_size, hyper_keys, state_keys = {}, {}, {}
+    ep_size, hyper = {}, {}
     for index, g in enumerate(opt.plan.groups):
         ep_size[g.name] = g.expert_parallel_size
-        pg, master = inner_group(opt, index, g.name)
-        hyper_keys[g.name] = frozenset(k for k in pg if k != "params")
-        state_keys[g.name] = frozenset(opt.optimizer.state.get(master, {}))
+        pg, _ = inner_group(opt, index, g.name)
+        hyper[g.name] = {k: v for k, v in pg.items() if k != "params"}
     for b in opt.plan.layouts:
         for s in b.params:
             p = named[s.name]
@@ -180,11 +180,7 @@ def local_model(opt: Any, place: RankPlace) -> LocalModel:
     extras = tuple(StoredTensor(n, tuple(t.shape), dtype_name(t.dtype))
                    for n, t in extra_tensors(opt).items())
     return LocalModel(tuple(params), ep_size, place.ep_ranks, optimizer_class(opt.optimizer),
-                      hyper_keys, state_keys, extras)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+                      frozenset(opt.optimizer.defaults), hyper, extras)
 
 
 @dataclass

@@ -6,13 +6,20 @@ A collective on a group of n ranks with a buffer of S bytes takes
 
 with S the full buffer (reduce-scatter input, all-gather output, all-reduce or reduce
 buffer) and f the nccl-tests bus factor: 2(n-1)/n for all-reduce, (n-1)/n for
-reduce-scatter and all-gather, 1 for reduce (shared/reference/nccl-costs.md §1). With this
+reduce-scatter and all-gather, 1 for reduce (NVIDIA/nccl-tests doc/PERFORMANCE.md, and
+src/all_reduce.cu, reduce_scatter.cu, all_gather.cu, reduce.cu @a0b82b2). With this
 definition one reduce of S bytes and one reduce-scatter of S bytes cost the same bandwidth
 time, so what separates DeepSpeed's uneven reduces from one equal reduce-scatter is the
 number of calls times alpha: exactly what the model has to get right.
 
 An op has one or more variants (ring, tree, low-latency protocol); the model charges the
-cheapest variant that applies to the message size, as NCCL's tuner does (nccl-costs §2).
+cheapest variant that applies to the message size, as NCCL's tuner does
+(`ncclTopoGetAlgoTime`, NVIDIA/nccl src/graph/tuning.cc @v2.30.7-1). A variant measured
+at one group size (`Variant.group_size`, what `evenzero calibrate` writes) is used for
+exactly that size; the others scale alpha with the group size per `Variant.scaling`.
+A model may carry its device's compute throughput (`CostModel.compute`) for the step
+timeline (`evenzero.cost.timeline`).
+
 Presets live in `evenzero.cost.presets`, the plan-level `predict` in `evenzero.cost.predict`;
 `evenzero.cost.calibrate` measures a model.
 
@@ -26,8 +33,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from evenzero.cost.compute import DeviceCompute
+
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "reduce")
-SCALINGS = ("flat", "ring", "tree")
+SCALINGS = ("flat", "ring", "tree", "linear")
 
 
 class CostModelError(ValueError):
@@ -70,7 +79,14 @@ class Variant:
     """Largest message (bytes) this variant is used for; None means any size."""
     scaling: str = "flat"
     """How alpha grows with group size: "flat" (constant), "ring" (one hop per rank,
-    network hops dearer) or "tree" (log2 of nodes), per nccl-costs §5.3."""
+    network hops dearer: NCCL's ring latency, tuning.cc L384-436), "tree" (log2 of
+    nodes: NCCL's tree) or "linear" (alpha_us + step_us per rank beyond
+    `reference_ranks`: a fit over measured group sizes)."""
+    step_us: float = 0.0
+    """"linear" scaling: microseconds of alpha per rank of group size."""
+    group_size: int | None = None
+    """The group size this variant was measured at; it then prices that size only.
+    None: any size, with alpha scaled per `scaling`."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.alpha_us, (int, float)) and self.alpha_us >= 0):
@@ -84,6 +100,14 @@ class Variant:
                                  f"got {self.scaling!r}")
         if self.max_bytes is not None and self.max_bytes <= 0:
             raise CostModelError(f"{self.name}.max_bytes must be positive or None")
+        if not (isinstance(self.step_us, (int, float)) and self.step_us >= 0):
+            raise CostModelError(f"{self.name}.step_us must be a non-negative number, "
+                                 f"got {self.step_us!r}")
+        if self.group_size is not None and (isinstance(self.group_size, bool)
+                                            or not isinstance(self.group_size, int)
+                                            or self.group_size < 2):
+            raise CostModelError(f"{self.name}.group_size must be None or an integer >= 2, "
+                                 f"got {self.group_size!r}")
 
 
 @dataclass(frozen=True)
@@ -91,11 +115,16 @@ class OpCost:
     """The variants of one collective op; the cheapest applicable one is charged."""
 
     variants: tuple[Variant, ...]
-    """At least one variant must have max_bytes=None so that every size has a price."""
+    """At least one variant with max_bytes=None and group_size=None, so that every size
+    has a price."""
 
     def __post_init__(self) -> None:
-        if not any(v.max_bytes is None for v in self.variants):
-            raise CostModelError("every op needs one variant without max_bytes")
+        if not any(v.max_bytes is None and v.group_size is None for v in self.variants):
+            raise CostModelError("every op needs one variant without max_bytes or group_size")
+
+    def measured_sizes(self) -> frozenset[int]:
+        """Group sizes with variants measured at exactly that size."""
+        return frozenset(v.group_size for v in self.variants if v.group_size is not None)
 
 
 @dataclass(frozen=True)
@@ -119,13 +148,20 @@ class CostModel:
     gpus_per_node: int = 8
     """Ranks per node, to count network hops when alpha scales with group size."""
     base_us: float = 7.0
-    """Fixed part of a ring's latency (nccl-costs §5.3)."""
+    """Fixed part of a ring's latency (NCCL's ring baseLat + launch, tuning.cc L149-175)."""
     intra_step_us: float = 1.0
-    """Latency per intra-node ring step (NVLink), nccl-costs §5.3."""
+    """Latency per intra-node ring step (NVLink hwLat, tuning.cc L149-175)."""
     inter_step_us: float = 3.5
-    """Latency per network ring step, nccl-costs §5.3."""
+    """Latency per network ring step (NET hwLat + netOverhead, tuning.cc L149-175)."""
     sources: str = ""
     """Where the numbers come from."""
+    compute: DeviceCompute | None = None
+    """Compute throughput of one rank on this hardware, for the step timeline; None: the
+    model describes communication only."""
+    fitted_ranks: tuple[int, ...] = ()
+    """World sizes the numbers were measured at (a calibration, the gloo anchors); empty
+    for presets built from published figures with a documented scaling rule. Used at any
+    other world size, the model is an extrapolation and says so (`extrapolation_warning`)."""
 
     def __post_init__(self) -> None:
         for f in ("reference_ranks", "gpus_per_node"):
@@ -136,6 +172,17 @@ class CostModel:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise CostModelError(f"{f} must be a non-negative number of microseconds, got {v!r}")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.fitted_ranks):
+            raise CostModelError(f"fitted_ranks must be positive integers, got {self.fitted_ranks!r}")
+
+    def extrapolation_warning(self, world_size: int) -> str | None:
+        """One line when the model was fitted at other world sizes than `world_size`."""
+        if not self.fitted_ranks or world_size in self.fitted_ranks:
+            return None
+        at = " and ".join(str(n) for n in sorted(self.fitted_ranks))
+        return (f"cost model {self.name} was fitted at {at} ranks, not {world_size}: its "
+                f"latencies are extrapolated; run `evenzero calibrate --world-size "
+                f"{world_size}` for numbers measured at this size")
 
     def op(self, name: str) -> OpCost:
         if name not in OPS:
@@ -154,6 +201,8 @@ class CostModel:
     def alpha_us(self, variant: Variant, group_size: int) -> float:
         if variant.scaling == "flat" or group_size == self.reference_ranks:
             return variant.alpha_us
+        if variant.scaling == "linear":
+            return max(0.0, variant.alpha_us + variant.step_us * (group_size - self.reference_ranks))
         ratio = self._shape_us(variant.scaling, group_size) / self._shape_us(
             variant.scaling, self.reference_ranks)
         return variant.alpha_us * ratio
@@ -164,8 +213,11 @@ class CostModel:
             return None, 0.0
         f = bus_factor(op, group_size)
         best: tuple[Variant | None, float] = (None, math.inf)
-        for v in self.op(op).variants:
-            if v.max_bytes is not None and nbytes > v.max_bytes:
+        cost = self.op(op)
+        # Measured at this very size: those numbers, not an extrapolation.
+        size = group_size if group_size in cost.measured_sizes() else None
+        for v in cost.variants:
+            if v.group_size != size or (v.max_bytes is not None and nbytes > v.max_bytes):
                 continue
             t = self.alpha_us(v, group_size) * 1e-6 + f * nbytes / (v.busbw_gbs * 1e9)
             if t < best[1]:
@@ -200,7 +252,16 @@ class CostModel:
 
     def _assign(self, key: str, raw: Any) -> CostModel:
         parts = key.split(".")
-        top = {f.name for f in fields(self)} - set(OPS) - {"name", "description", "sources"}
+        top = {f.name for f in fields(self)} - set(OPS) - {"name", "description", "sources",
+                                                           "compute", "fitted_ranks"}
+        if parts[0] == "compute":
+            if self.compute is None:
+                raise CostModelError(f"cost parameter {key!r}: cost model {self.name} has no "
+                                     f"compute figures to override")
+            try:
+                return replace(self, compute=self.compute.with_param(".".join(parts[1:]), raw))
+            except ValueError as e:
+                raise CostModelError(f"cost parameter {key!r}: {e}") from None
         if len(parts) == 1:
             if parts[0] not in top:
                 raise CostModelError(f"unknown cost parameter {key!r}; use one of {sorted(top)}, "
@@ -211,7 +272,8 @@ class CostModel:
         op_key, fname = parts[0], parts[-1]
         variant_name = parts[1] if len(parts) == 3 else None
         ops = OPS if op_key == "*" else (op_key,)
-        vfields = {"alpha_us": float, "busbw_gbs": float, "max_bytes": int, "scaling": str}
+        vfields = {"alpha_us": float, "busbw_gbs": float, "max_bytes": int, "scaling": str,
+                   "step_us": float}
         if fname not in vfields:
             raise CostModelError(f"cost parameter {key!r}: field {fname!r} is not one of "
                                  f"{', '.join(vfields)}")
@@ -232,7 +294,10 @@ class CostModel:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self)
-                               if f.name not in OPS}
+                               if f.name not in (*OPS, "compute", "fitted_ranks")}
+        out["fitted_ranks"] = list(self.fitted_ranks)
+        if self.compute is not None:
+            out["compute"] = self.compute.to_json()
         for op in OPS:
             out[op] = [{f.name: getattr(v, f.name) for f in fields(v)}
                        for v in self.op(op).variants]
@@ -251,6 +316,15 @@ class CostModel:
             raise CostModelError(f"cost model JSON: missing key(s) {missing}")
         kwargs: dict[str, Any] = {k: v for k, v in data.items() if k not in OPS}
         kwargs.setdefault("description", "")
+        if kwargs.get("compute") is not None:
+            try:
+                kwargs["compute"] = DeviceCompute.from_json(kwargs["compute"])
+            except ValueError as e:
+                raise CostModelError(f"cost model JSON: compute: {e}") from None
+        ranks = kwargs.get("fitted_ranks", ())
+        if not isinstance(ranks, (list, tuple)):
+            raise CostModelError("cost model JSON: fitted_ranks must be a list of world sizes")
+        kwargs["fitted_ranks"] = tuple(ranks)
         for op in OPS:
             raw = data[op]
             if not isinstance(raw, list) or not raw:

@@ -1,14 +1,25 @@
-"""Measure a cost model on the current process group.
+"""Measure a cost model, compute included, on the current process group.
 
-`measure()` times each collective op over a sweep of message sizes on the current process
-group and fits t = alpha + f*S/busbw per op (`evenzero.cost.fit_op`), so that predictions
-can be checked against this machine. `run_local()` does it on W local gloo ranks, and
-`run_from_env()` under torchrun, for `evenzero calibrate`.
+What is timed is what the runtime issues and what the step timeline needs:
 
-Each sample is the fastest of `repeats` calls, each started right after a barrier, taken
-as the slowest rank's time (an all-reduce MAX) so that every rank fits the same numbers.
-The fastest call, not the median: on a shared host, scheduler noise lands on random calls
-and is not a property of the collective.
+* the collectives the runtime calls: all_reduce, reduce, all_gather_into_tensor and the
+  reduce-scatter *as the runtime does it on this backend*: on gloo `all_to_all_single`
+  followed by the local sum over the received chunks (`evenzero.runtime.collectives`
+  picks it there: gloo's own reduce_scatter_tensor is slower than an all-reduce), the
+  native `reduce_scatter_tensor` elsewhere;
+* at several group sizes: the world and, concurrently, disjoint subgroups of each
+  smaller power-of-two size {i, i+E, ...} (E = W/size), which is how expert-data-parallel
+  groups run. The fitted model prices those sizes with their own numbers and any other
+  size by a line through the measured latencies;
+* the compute of one rank while every rank computes (cores and memory bandwidth are
+  shared exactly as in training): matmul throughput, copy bandwidth, the seconds per
+  element of a torch AdamW step, and how much a collective in flight slows compute.
+
+Each collective sample is the fastest of `repeats` calls, each started right after a
+barrier, taken as the slowest rank's time (an all-reduce MAX over the world) so that
+every rank fits the same numbers. The fastest call, not the median: on a shared host,
+scheduler noise lands on random calls and is not a property of the collective.
+`run_local()` measures W local gloo ranks, `run_from_env()` a torchrun job.
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ import os
 import platform
 import socket
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from time import perf_counter
@@ -26,11 +37,20 @@ from time import perf_counter
 import torch
 import torch.distributed as dist
 
-from evenzero.cost import OPS, CostModel, CostModelError, OpCost, Sample, fit_op
+from evenzero.cost import OPS, CostModel, CostModelError, OpCost, Sample, Variant, fit_op
+from evenzero.cost.compute import DeviceCompute
 
 DEFAULT_SIZES = (2**10, 2**14, 2**16, 2**18, 2**20, 2**22)
 """Full-buffer sizes in elements: from latency-bound to bandwidth-bound on gloo."""
-
+ALL_TO_ALL_SUM = "all_to_all+sum"
+"""The reduce-scatter evenzero's runtime runs on gloo (`runtime.collectives`)."""
+MATMUL_SHAPE = {"cpu": ((64, 1024, 1024), torch.float32), "cuda": ((8192, 4096, 4096), torch.bfloat16)}
+"""(tokens, in, out) and dtype of the timed matmul per device: on CPU a layer at the tens
+of tokens per rank CPU runs train with; on GPUs a large bf16 layer, as they train."""
+COPY_NUMEL = 2**23
+"""Elements copied to time memory bandwidth (32 MiB of fp32, beyond the caches)."""
+OPTIMIZER_NUMEL = 2**22
+"""Elements of the flat parameter an AdamW step is timed on."""
 
 # torch 2.13 renamed the flat-tensor collectives and deprecated the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -41,7 +61,12 @@ class CalibrationError(RuntimeError):
     """Calibration cannot run here; the message says what to do instead."""
 
 
-def _call(op: str, numel: int, group, device, dtype) -> callable:
+def reduce_scatter_algorithm(group=None) -> str:
+    """The reduce-scatter the runtime issues on `group`'s backend."""
+    return ALL_TO_ALL_SUM if "gloo" in str(dist.get_backend(group)) else "reduce_scatter_tensor"
+
+
+def _call(op: str, numel: int, group, device, dtype) -> Callable[[], None]:
     n = dist.get_world_size(group)
     if op == "all_reduce":
         buf = torch.ones(numel, device=device, dtype=dtype)
@@ -52,6 +77,10 @@ def _call(op: str, numel: int, group, device, dtype) -> callable:
         return lambda: dist.reduce(buf, dst=root, group=group)
     if op == "reduce_scatter":
         inp = torch.ones(numel, device=device, dtype=dtype)
+        if reduce_scatter_algorithm(group) == ALL_TO_ALL_SUM:
+            scratch = torch.empty(numel, device=device, dtype=dtype)
+            return lambda: (dist.all_to_all_single(scratch, inp, group=group),
+                            scratch.view(n, -1).sum(0))
         out = torch.empty(numel // n, device=device, dtype=dtype)
         return lambda: _reduce_scatter(out, inp, group=group)
     if op == "all_gather":
@@ -61,39 +90,89 @@ def _call(op: str, numel: int, group, device, dtype) -> callable:
     raise CalibrationError(f"unknown op {op!r}; expected one of {', '.join(OPS)}")
 
 
+def _fastest(call: Callable[[], None], group, device, repeats: int) -> float:
+    """This rank's fastest of `repeats` timed calls, each right after a barrier."""
+    call()  # warm-up: first calls pay connection and allocation setup
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        _sync(device)
+        t0 = perf_counter()
+        call()
+        _sync(device)
+        times.append(perf_counter() - t0)
+    return min(times)
+
+
+def _device(group) -> torch.device:
+    return (torch.device("cuda", torch.cuda.current_device())
+            if "nccl" in str(dist.get_backend(group)) else torch.device("cpu"))
+
+
+def _slowest_rank(values: list[float], device, group=None) -> list[float]:
+    """Element-wise max over `group` (the world), so every rank fits the same numbers."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def default_group_sizes(world_size: int) -> tuple[int, ...]:
+    """The world and every smaller power of two >= 2 that divides it."""
+    sizes, n = {world_size}, 2
+    while n < world_size:
+        if world_size % n == 0:
+            sizes.add(n)
+        n *= 2
+    return tuple(sorted(sizes))
+
+
+def _subgroup(size: int):
+    """This rank's group among the disjoint groups {i, i+E, ...} of `size` ranks (every
+    rank creates all of them, as torch.distributed requires)."""
+    world = dist.get_world_size()
+    if size == world:
+        return None
+    e = world // size
+    mine = None
+    for i in range(e):
+        g = dist.new_group(list(range(i, world, e)))
+        if dist.get_rank() % e == i:
+            mine = g
+    return mine
+
+
 def sweep(group=None, sizes: Sequence[int] = DEFAULT_SIZES, ops: Sequence[str] = OPS,
-          repeats: int = 5, dtype: torch.dtype = torch.float32) -> tuple[Sample, ...]:
-    """Time every op at every size on `group` (default: the world). Collective: every
-    rank of the group must call it with the same arguments."""
+          repeats: int = 5, dtype: torch.dtype = torch.float32,
+          group_sizes: Sequence[int] | None = None) -> tuple[Sample, ...]:
+    """Time every op at every size, on the world (`group` must be None then) and on the
+    disjoint subgroups of each of `group_sizes` (default `default_group_sizes`), or on
+    `group` alone. Collective over the world: every rank calls it with the same arguments."""
     if not dist.is_available() or not dist.is_initialized():
         raise CalibrationError("torch.distributed is not initialised; call "
                                "dist.init_process_group first, or run `evenzero calibrate "
                                "--world-size W` to spawn local ranks")
-    n = dist.get_world_size(group)
-    if n < 2:
-        raise CalibrationError("calibration needs a group of at least 2 ranks")
     check_sweep(sizes, repeats)
-    device = (torch.device("cuda", torch.cuda.current_device())
-              if dist.get_backend(group) == "nccl" else torch.device("cpu"))
+    world = dist.get_world_size()
+    if group is not None:
+        plan = [(dist.get_world_size(group), group)]
+    else:
+        wanted = group_sizes or default_group_sizes(world)
+        bad = [n for n in wanted if n < 2 or world % n]
+        if bad:
+            raise CalibrationError(f"group sizes {bad} do not divide the world of {world} ranks "
+                                   f"(or are < 2)")
+        plan = [(n, _subgroup(n)) for n in wanted]
+    device = _device(group)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    samples = []
-    for op in ops:
-        for size in sizes:
-            numel = -(-int(size) // n) * n  # RS input and AG output must split evenly
-            call = _call(op, numel, group, device, dtype)
-            call()  # warm-up: first calls pay connection and allocation setup
-            times = []
-            for _ in range(repeats):
-                dist.barrier(group=group)
-                _sync(device)
-                t0 = perf_counter()
-                call()
-                _sync(device)
-                times.append(perf_counter() - t0)
-            slowest = torch.tensor([min(times)], dtype=torch.float64, device=device)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-            samples.append(Sample(op, n, numel * itemsize, float(slowest.item())))
-    return tuple(samples)
+    keys, local = [], []
+    for n, g in plan:
+        for op in ops:
+            for size in sizes:
+                numel = -(-int(size) // n) * n  # RS input and AG output must split evenly
+                local.append(_fastest(_call(op, numel, g, device, dtype), g, device, repeats))
+                keys.append((op, n, numel * itemsize))
+    times = _slowest_rank(local, device, group)
+    return tuple(Sample(op, n, nbytes, t) for (op, n, nbytes), t in zip(keys, times, strict=True))
 
 
 def check_sweep(sizes: Sequence[int], repeats: int) -> None:
@@ -109,37 +188,131 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def fit_model(samples: Sequence[Sample], name: str = "measured",
-              description: str = "") -> CostModel:
-    """One flat-alpha variant per op, fitted on `samples` (all from one group size)."""
-    sizes = {s.group_size for s in samples}
-    if len(sizes) != 1:
-        raise CostModelError(f"samples come from several group sizes {sorted(sizes)}; fit each apart")
-    (n,) = sizes
+# --------------------------------------------------------------------------- compute
+
+
+def _rate(work: Callable[[], None], device, seconds: float = 0.2) -> float:
+    """Calls per second of `work`, run for about `seconds` after one warm-up call."""
+    work()
+    _sync(device)
+    calls, t0 = 0, perf_counter()
+    while True:
+        work()
+        calls += 1
+        _sync(device)
+        elapsed = perf_counter() - t0
+        if elapsed >= seconds and calls >= 3:
+            return calls / elapsed
+
+
+def measure_compute(device: torch.device | None = None, name: str = "measured") -> DeviceCompute:
+    """One rank's compute while every rank of the world computes the same (collective)."""
+    device = device or _device(None)
+    (t, k, m), dtype = MATMUL_SHAPE["cuda" if device.type == "cuda" else "cpu"]
+    a = torch.randn(t, k, device=device, dtype=dtype)
+    b = torch.randn(k, m, device=device, dtype=dtype)
+    src = torch.randn(COPY_NUMEL, device=device)
+    dst = torch.empty_like(src)
+    param = torch.nn.Parameter(torch.randn(OPTIMIZER_NUMEL, device=device))
+    param.grad = torch.randn_like(param)
+    adamw = torch.optim.AdamW([param], lr=1e-3)
+    small_a, small_b = a[:, :256].contiguous(), b[:256, :256].contiguous()
+    dist.barrier()
+    matmul = _rate(lambda: torch.mm(a, b), device)
+    copy = _rate(lambda: dst.copy_(src), device)
+    step = _rate(adamw.step, device)
+    # Small matmuls beside a collective in flight, against the same alone: what overlap
+    # really gets on this host (gloo's threads and copies share cores and memory).
+    alone = _rate(lambda: torch.mm(small_a, small_b), device)
+    message = torch.ones(2**22, device=device)
+    dist.barrier()
+    work = dist.all_reduce(message, async_op=True)
+    calls, t0 = 0, perf_counter()
+    while not work.is_completed():
+        torch.mm(small_a, small_b)
+        calls += 1
+    _sync(device)
+    elapsed = perf_counter() - t0
+    work.wait()
+    during = calls / elapsed if calls else alone
+    rates = _slowest_rank([-matmul, -copy, -step, -alone, -during], device)
+    matmul, copy, step, alone, during = (-r for r in rates)  # the slowest rank: lowest rate
+    memory_gbs = copy * 2 * COPY_NUMEL * 4 / 1e9
+    return DeviceCompute(
+        name, tflops=matmul * 2 * t * k * m / 1e12, memory_gbs=memory_gbs,
+        optimizer_bytes_per_element=memory_gbs * 1e9 / (step * OPTIMIZER_NUMEL),
+        comm_slowdown=min(4.0, max(0.0, alone / during - 1)),
+        sources=f"evenzero calibrate: {t}x{k}x{m} {str(dtype).removeprefix('torch.')} matmul, "
+                f"{COPY_NUMEL:,}-element copy, torch AdamW step on {OPTIMIZER_NUMEL:,} "
+                f"elements, matmuls beside an all-reduce; slowest rank, every rank busy, "
+                f"{torch.get_num_threads()} thread(s) per rank")
+
+
+# --------------------------------------------------------------------------- fitting
+
+
+def fit_model(samples: Sequence[Sample], name: str = "measured", description: str = "",
+              compute: DeviceCompute | None = None, rs_variant: str = "measured") -> CostModel:
+    """Per op: one variant per measured group size, and one for any other size whose
+    latency follows a line through the measured ones (flat if one size was measured).
+    The world is the largest group size. A size whose timings did not grow with the
+    message (noise) gets no variant of its own; if none did, the fit is refused."""
+    world = max(s.group_size for s in samples)
+    measured = ", ".join(str(n) for n in sorted({s.group_size for s in samples}))
     variants = {}
     for op in OPS:
         mine = [s for s in samples if s.op == op]
         if not mine:
             raise CostModelError(f"no samples for {op}; calibrate every op")
-        variants[op] = OpCost((fit_op(mine, "measured"),))
-    return CostModel(name=name, description=description or f"measured on {n} ranks",
-                     reference_ranks=n, gpus_per_node=n,
-                     sources="evenzero calibrate: least-squares fit of t = alpha + f*S/busbw",
+        label = rs_variant if op == "reduce_scatter" else "measured"
+        exact, failed = [], None
+        for n in sorted({s.group_size for s in mine}):
+            try:
+                v = fit_op([s for s in mine if s.group_size == n])
+            except CostModelError as e:  # noise at one size: the line through the others prices it
+                failed = e
+                continue
+            exact.append(Variant(label, v.alpha_us, v.busbw_gbs, group_size=n))
+        if not exact:
+            raise failed
+        anchor = exact[-1]
+        variants[op] = OpCost((*exact, Variant(
+            label, anchor.alpha_us, anchor.busbw_gbs, scaling="linear",
+            step_us=_alpha_slope([(v.group_size, v.alpha_us) for v in exact]))))
+    return CostModel(name=name, description=description or f"measured on {world} ranks",
+                     reference_ranks=world, gpus_per_node=world, compute=compute,
+                     fitted_ranks=(world,),
+                     sources="evenzero calibrate: least-squares fit of t = alpha + f*S/busbw "
+                             f"per op and group size ({measured} ranks)",
                      **variants)
 
 
+def _alpha_slope(points: list[tuple[int, float]]) -> float:
+    """Least-squares slope of alpha over group size, clamped at 0 (latency does not fall
+    with more peers; a negative slope is noise)."""
+    if len(points) < 2:
+        return 0.0
+    mx = sum(n for n, _ in points) / len(points)
+    my = sum(a for _, a in points) / len(points)
+    den = sum((n - mx) ** 2 for n, _ in points)
+    return max(0.0, sum((n - mx) * (a - my) for n, a in points) / den)
+
+
 def measure(group=None, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5,
-            name: str = "measured") -> CostModel:
-    """Sweep and fit on `group` (default: the world); every rank gets the same model."""
-    return _measure(group, sizes, repeats, name)[0]
+            name: str = "measured", group_sizes: Sequence[int] | None = None) -> CostModel:
+    """Sweep, time compute and fit on the world (or `group` alone, without compute);
+    every rank gets the same model."""
+    return _measure(group, sizes, repeats, name, group_sizes)[0]
 
 
-def _measure(group, sizes: Sequence[int], repeats: int,
-             name: str) -> tuple[CostModel, tuple[Sample, ...]]:
-    samples = sweep(group, sizes, OPS, repeats)
+def _measure(group, sizes: Sequence[int], repeats: int, name: str,
+             group_sizes: Sequence[int] | None = None) -> tuple[CostModel, tuple[Sample, ...]]:
+    samples = sweep(group, sizes, OPS, repeats, group_sizes=group_sizes)
+    compute = measure_compute(_device(group), name=f"{name} compute") if group is None else None
     backend = dist.get_backend(group)
-    desc = f"{backend} on {dist.get_world_size(group)} ranks, host {platform.node()}"
-    return fit_model(samples, name, desc), samples
+    desc = (f"{backend} on {dist.get_world_size(group)} ranks, host {platform.node()}, "
+            f"{torch.get_num_threads()} thread(s) per rank")
+    return fit_model(samples, name, desc, compute, reduce_scatter_algorithm(group)), samples
 
 
 # --------------------------------------------------------------------------- local ranks
@@ -151,14 +324,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_threads(world_size: int) -> int:
+    """torch threads per local rank: the host's cores shared evenly, as local training
+    jobs do (`evenzero.repro.localrun`), so compute is measured as it will run."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 def _local_worker(rank: int, world_size: int, port: int, sizes: Sequence[int], repeats: int,
                   out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # W processes share a few cores: intra-op threads would fight gloo's own threads and
-    # turn scheduler stalls into "latency".
-    torch.set_num_threads(1)
+    torch.set_num_threads(local_threads(world_size))
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=120))
+                            timeout=timedelta(seconds=300))
     try:
         model, samples = _measure(None, sizes, repeats, f"gloo-local-{world_size}")
         if rank == 0:
@@ -190,7 +367,7 @@ def run_from_env(sizes: Sequence[int] = DEFAULT_SIZES,
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=timedelta(seconds=120))
+    dist.init_process_group(backend, timeout=timedelta(seconds=300))
     try:
         result = _measure(None, sizes, repeats, f"{backend}-{dist.get_world_size()}")
         return result if dist.get_rank() == 0 else None
@@ -198,5 +375,6 @@ def run_from_env(sizes: Sequence[int] = DEFAULT_SIZES,
         dist.destroy_process_group()
 
 
-__all__ = ["DEFAULT_SIZES", "CalibrationError", "check_sweep", "fit_model", "measure", "run_from_env",
-           "run_local", "sweep"]
+__all__ = ["ALL_TO_ALL_SUM", "DEFAULT_SIZES", "CalibrationError", "check_sweep", "default_group_sizes",
+           "fit_model", "local_threads", "measure", "measure_compute", "reduce_scatter_algorithm",
+           "run_from_env", "run_local", "sweep"]

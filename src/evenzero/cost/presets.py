@@ -1,31 +1,56 @@
-"""Cost-model presets, each number with its source (shared/reference/nccl-costs.md).
+"""Cost-model presets, each number with its source.
 
-`busbw` is nccl-tests' bus bandwidth in GB/s (1e9 bytes); alpha in microseconds.
+`busbw` is nccl-tests' bus bandwidth in GB/s (1e9 bytes; NVIDIA/nccl-tests
+doc/PERFORMANCE.md); alpha in microseconds.
 
 * Single-node NVLink presets hold at 8 ranks (`reference_ranks=8`); ring alphas shrink
-  for smaller groups following the per-step rule of nccl-costs §5.3. They describe one
+  for smaller groups following NCCL's ring latency model (a fixed part plus one step
+  per rank; NVIDIA/nccl src/graph/tuning.cc @v2.30.7-1, L384-436). They describe one
   node: for more than 8 ranks use an InfiniBand preset.
 * Multi-node presets assume 8 GPUs and 8 NICs per node, rail-optimised InfiniBand, with
-  alpha given at 128 ranks (16 nodes) and scaled to other group sizes by §5.3 (ring:
-  linear in hops, network hops dearer; tree: log2 of nodes). These alphas are *effective*
-  for 1-100 MB messages (they fold in ring pipeline fill), §9.
+  alpha given at 128 ranks (16 nodes) and scaled to other group sizes by the same model
+  (ring: linear in hops, network hops dearer; tree: log2 of nodes). These alphas are
+  *effective* for 1-100 MB messages: an alpha-beta fit of published all-reduce scans
+  (arXiv 2411.13055; NVIDIA GTC24 S62129), which folds in ring pipeline fill.
 * All-reduce has tree variants (small messages, and large ones at scale); reduce has a
-  low-latency protocol variant. Reduce-scatter, all-gather and reduce have no tree in NCCL
-  (§2), so their alpha grows linearly with the group: ~1.6 ms per call at 1024 ranks. The model charges whichever applicable variant is cheapest (NCCL's tuner does
-  the same, §2); variants with `max_bytes` apply only up to that size.
-* RoCE is not offered: the reference has one user report of its bus bandwidth (§3,
-  nccl#1368) and no latency, which is not enough for a preset. Calibrate instead.
+  low-latency protocol variant. Reduce-scatter, all-gather and reduce have no tree in
+  NCCL (tuning.cc L294: reduce is ring-only), so their alpha grows linearly with the
+  group: ~1.6 ms per call at 1024 ranks. The model charges whichever applicable variant
+  is cheapest (NCCL's tuner does the same); `max_bytes` variants apply up to that size.
+* Compute (`DeviceCompute`, for the step timeline): half the datasheet's dense BF16 peak
+  (large-model training reaches 40-55% of it) and ~85% of the HBM bandwidth.
+* RoCE is not offered: one user report of its bus bandwidth (NVIDIA/nccl#1368) and no
+  latency is not enough for a preset. Calibrate instead.
+* `gloo-local` is fitted on the project's own measurements at 8 local ranks; it says
+  so when used at another world size. `evenzero calibrate` measures your host.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from evenzero.cost import CostModel, CostModelError, OpCost, Sample, Variant, fit_op
+from evenzero.cost.compute import DeviceCompute
 
 SMALL = 64 * 1024
-"""Messages up to 64 KiB use NCCL's low-latency paths (tree all-reduce, LL reduce), §0."""
+"""Messages up to 64 KiB use NCCL's low-latency paths (tree all-reduce, LL reduce); NCCL
+logs RING/LL up to 1 MiB on 8xH200 (stas00/ml-engineering network/README.md @744d01e1)."""
+
+H100 = DeviceCompute(
+    "h100", tflops=495.0, memory_gbs=2850.0,
+    sources="H100 SXM datasheet: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3; half and 85% of "
+            "them sustained")
+A100 = DeviceCompute(
+    "a100", tflops=156.0, memory_gbs=1730.0,
+    sources="A100 SXM 80GB datasheet: 312 TFLOP/s dense BF16, 2.04 TB/s HBM2e; half and 85% "
+            "of them sustained")
+CPU_LOCAL = DeviceCompute(
+    "cpu-local", tflops=0.1, memory_gbs=8.0, optimizer_bytes_per_element=100.0,
+    comm_slowdown=0.3,
+    sources="rough guesses for one of 8 ranks on a 16-core x86 host (2 threads each; "
+            "foreach AdamW makes ~12 passes); not measured: `evenzero calibrate` measures them")
 
 
 def _nvlink_node(name: str, gpu: str, ar_ring: float, ar_nvls: float | None, rs: float,
@@ -33,7 +58,7 @@ def _nvlink_node(name: str, gpu: str, ar_ring: float, ar_nvls: float | None, rs:
     ring = "ring"
     all_reduce = [Variant("ring", 15.0, ar_ring, scaling=ring)]
     if ar_nvls is not None:
-        # NVLS (NVLink SHARP) latency 25 us: NCCL's model constant (tuning.cc, §2).
+        # NVLS (NVLink SHARP) latency 25 us: NCCL's model constant (tuning.cc L149-175).
         all_reduce.append(Variant("nvls", 25.0, ar_nvls))
     return CostModel(
         name=name, description=f"8x {gpu} in one NVLink/NVSwitch node",
@@ -41,13 +66,15 @@ def _nvlink_node(name: str, gpu: str, ar_ring: float, ar_nvls: float | None, rs:
         reduce_scatter=OpCost((Variant("ring", 11.0, rs, scaling=ring),)),
         all_gather=OpCost((Variant("ring", 11.0, rs, scaling=ring),)),
         reduce=OpCost((Variant("ring", 11.0, rs, scaling=ring),)),
-        reference_ranks=8, gpus_per_node=8, sources=sources)
+        reference_ranks=8, gpus_per_node=8, sources=sources,
+        compute=H100 if gpu.startswith("H100") else A100)
 
 
 def _ib_cluster(name: str, gpu: str, busbw: float, sources: str) -> CostModel:
     return CostModel(
         name=name, description=f"{gpu} nodes, 8 GPUs + 8 NICs each, rail-optimised InfiniBand",
-        # The scans of §5.2 put all-reduce at alpha ~0.33-0.39 ms on 128 GPUs and only
+        # Alpha-beta fits of the published all-reduce scans (arXiv 2411.13055; NVIDIA
+        # GTC24 S62129, NVLSTree) put alpha at ~0.33-0.39 ms on 128 GPUs and only
         # ~0.66-0.68 ms on 1024: NCCL leaves the ring for (NVLS)trees at scale. The
         # "tree" variant is that fit, anchored at 400 us on 128 ranks with log2(nodes)
         # growth (it gives 617 us at 1024); "tree-small" is NCCL's tree/LL for <= 64 KiB.
@@ -58,33 +85,47 @@ def _ib_cluster(name: str, gpu: str, busbw: float, sources: str) -> CostModel:
         all_gather=OpCost((Variant("ring", 200.0, busbw, scaling="ring"),)),
         reduce=OpCost((Variant("ring", 200.0, busbw, scaling="ring"),
                        Variant("ring-ll", 160.0, busbw, max_bytes=SMALL, scaling="ring"))),
-        reference_ranks=128, gpus_per_node=8, sources=sources)
+        reference_ranks=128, gpus_per_node=8, sources=sources,
+        compute=H100 if gpu.startswith("H100") else A100)
 
 
-# The project's own gloo anchors (nccl-costs §6): 8 local ranks, one host, fp32 assumed
-# (the dtype was not recorded). Fitting the two sizes per op with the same least-squares
-# fit that `evenzero calibrate` uses keeps the preset reproducible from its data.
+# The project's own gloo measurements: 8 local ranks on a 16-core host, fp32 assumed
+# (the dtype was not recorded). What is priced is what the runtime issues on gloo:
+# its reduce-scatter is all_to_all_single + a local sum (evenzero.runtime.collectives),
+# not gloo's reduce_scatter_tensor (2.0 / 8.8 ms at these sizes, slower than an
+# all-reduce). The reduces were timed as 8 calls, one per root, each of 1/8 of the
+# buffer (a reduce-scatter done DeepSpeed's way): one call moves 1/8 of it. Fitting two
+# sizes per op with the least squares `evenzero calibrate` uses keeps the preset
+# reproducible from its data.
 _GLOO_ANCHORS = {
-    # op: ((elements, ms per call), ...); reduce = 8 calls / 8
-    "reduce_scatter": ((2**16, 2.0), (2**20, 8.8)),
+    # op: ((elements per call, ms per call), ...)
+    "reduce_scatter": ((2**16, 0.9), (2**20, 3.1)),
     "all_reduce": ((2**16, 1.8), (2**20, 6.5)),
-    "reduce": ((2**16, 10.6 / 8), (2**20, 19.9 / 8)),
+    "reduce": ((2**16 // 8, 10.6 / 8), (2**20 // 8, 19.9 / 8)),
 }
+_GLOO_FIXED_SHARE = 0.125
+"""Part of a gloo call's alpha assumed fixed (the call itself); the rest grows with the
+peers it exchanges with (pairwise sends: n - 1 of them). Not measured at other sizes."""
 
 
 def _gloo_local() -> CostModel:
-    fitted = {op: fit_op([Sample(op, 8, n * 4, ms * 1e-3) for n, ms in pts], "gloo")
-              for op, pts in _GLOO_ANCHORS.items()}
+    fitted = {}
+    for op, pts in _GLOO_ANCHORS.items():
+        v = fit_op([Sample(op, 8, n * 4, ms * 1e-3) for n, ms in pts], "gloo")
+        step = v.alpha_us * (1 - _GLOO_FIXED_SHARE) / 7
+        fitted[op] = Variant("gloo", v.alpha_us, v.busbw_gbs, scaling="linear", step_us=step)
     return CostModel(
         name="gloo-local", description="gloo over TCP loopback, 8 processes on one 16-core host",
         all_reduce=OpCost((fitted["all_reduce"],)),
-        reduce_scatter=OpCost((fitted["reduce_scatter"],)),
-        # Not measured: gloo's all-gather assumed to cost like its reduce-scatter.
+        reduce_scatter=OpCost((replace(fitted["reduce_scatter"], name="all_to_all+sum"),)),
+        # Not measured: gloo's all-gather assumed to cost like the all_to_all (the same
+        # bytes leave each rank).
         all_gather=OpCost((fitted["reduce_scatter"],)),
         reduce=OpCost((fitted["reduce"],)),
-        reference_ranks=8, gpus_per_node=8,
-        sources="project anchors (nccl-costs §6), two-point fit per op; alpha flat in n "
-                "(no data on how it scales); run `evenzero calibrate` for your host")
+        reference_ranks=8, gpus_per_node=8, compute=CPU_LOCAL, fitted_ranks=(8,),
+        sources="project measurements at 8 local ranks, two-point fit per op; alpha assumed "
+                f"{_GLOO_FIXED_SHARE:.0%} fixed + the rest linear in group size; compute "
+                "guessed; run `evenzero calibrate` for your host")
 
 
 PRESETS: dict[str, CostModel] = {
@@ -92,7 +133,8 @@ PRESETS: dict[str, CostModel] = {
         _nvlink_node(
             "h100-nvlink-8", "H100/H200", ar_ring=365.0, ar_nvls=470.0, rs=360.0,
             sources="busbw: 8xH200 nccl-tests RS 362.9, AG 361.4, AR ring 367, NVLS 473-482 "
-                    "(ml-engineering); ring 370 (nccl-tests#212). alpha: NCCL model ring/LL "
+                    "(stas00/ml-engineering network/README.md); ring 370 (nccl-tests#212). "
+                    "alpha: NCCL model ring/LL "
                     "AR 15.0 us, RS/AG 10.8 us (tuning.cc). reduce busbw assumed = ring"),
         _nvlink_node(
             "a100-nvlink-8", "A100", ar_ring=230.0, ar_nvls=None, rs=230.0,
@@ -102,11 +144,12 @@ PRESETS: dict[str, CostModel] = {
             "h100-ndr-ib", "H100 + 8x NDR 400 Gb/s", 330.0,
             sources="busbw: 380 peak DGX H100 (GTC24), plateau 340-360 (arXiv 2411.13055); "
                     "alpha: alpha-beta fit at 128 GPUs ~0.33-0.39 ms (AR), RS/AG/reduce ~half "
-                    "(127 ring steps); tree 55 us from NCCL's model; scaled per §5.3"),
+                    "(127 ring steps); tree 55 us from NCCL's model; scaled per NCCL's ring/tree latency "
+                    "model (tuning.cc L384-436)"),
         _ib_cluster(
             "a100-hdr-ib", "A100 + 8x HDR 200 Gb/s", 180.0,
             sources="busbw: 192 DGX A100 8x200Gb IB (nccl#812, GTC24), 8 ch x 24 GB/s in "
-                    "NCCL's model; alpha as h100-ndr-ib (same ring step counts); scaled per §5.3"),
+                    "NCCL's model (search.cc L1052-1064); alpha as h100-ndr-ib (same ring step counts)"),
         _gloo_local(),
     )
 }

@@ -26,6 +26,7 @@ from torch import nn
 from evenzero.plan import BACKWARD, STEP, Collective
 from evenzero.repro.capture import CaptureOptions, CollectiveCapture
 from evenzero.repro.sidebyside import Batch, LossFn
+from evenzero.spec import is_expert
 
 
 class ExpertGradReducer:
@@ -108,7 +109,7 @@ class DDPSystem(CapturedBaseline):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        expert = [(n, p) for n, p in model.named_parameters() if getattr(p, "allreduce", True) is False]
+        expert = [(n, p) for n, p in model.named_parameters() if is_expert(p)]
         if expert and expert_group is None:
             raise ValueError("model has expert params (allreduce=False) but no expert_group was given; "
                              "pass the expert-data-parallel process group")

@@ -1,4 +1,4 @@
-"""The model of DeepSpeed issue #3151, built for real (shared/reference/seed-case.md).
+"""The model of DeepSpeed issue #3151 (deepspeedai/DeepSpeed#3151), built for real.
 
 fc1, fc2 = Linear(dim, dim), registered first; then an expert-parallel top-1 MoE layer
 (gate Linear(dim, E, bias=False), E experts of fc1/fc2, expert parallel size 4, tokens

@@ -5,8 +5,9 @@
   parameters directly (as Megatron and DeepSpeed do). Padding is zero.
 * `GradBuffers` (stage 1): one persistent buffer per bucket; `param.grad` is a view into
   it, so autograd accumulates in place and there is no copy.
-* `BucketPool` (stage 2): at most `slots` bucket-sized buffers in flight; the bucket's
-  gradients are copied in with one batched `_foreach_copy_` when its last one arrives.
+* `BucketPool`: at most `slots` arenas per dtype in flight, one per bucket being
+  reduced; stage 2 copies the bucket's gradients in with one batched `_foreach_copy_`
+  when its last one arrives, and every collective takes its scratch from the same slot.
 """
 
 from __future__ import annotations
@@ -95,39 +96,60 @@ class GradBuffers:
         return sum(b.numel() * b.element_size() for b in self.buffers)
 
 
-class BucketPool:
-    """A few reusable flat buffers per dtype, allocated on first use and freed by `release_all`.
+class PoolSlot:
+    """One in-flight bucket's share of the pool: a flat arena in the reduce dtype, handed
+    out front to back (the bucket's contents, then its collectives' scratch)."""
 
-    Each slot has an `input` part (the bucket's gradients, stage 2 only) and an `output`
-    part (scratch for the reduce-scatter). Freeing them after backward is what makes
-    stage 2's gradient memory at rest just the 1/N shards.
+    def __init__(self, arena: torch.Tensor) -> None:
+        self.arena = arena
+        self.used = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if dtype != self.arena.dtype or self.used + numel > self.arena.numel():
+            raise ZeroRuntimeError(f"bucket pool slot overflow: {numel} {dtype} elements asked, "
+                                   f"{self.arena.numel() - self.used} {self.arena.dtype} left; "
+                                   f"this is an evenzero bug")
+        out = self.arena[self.used:self.used + numel]
+        self.used += numel
+        return out
+
+
+class BucketPool:
+    """At most `slots` arenas per dtype, allocated on first use and freed by `release_all`.
+
+    A slot holds one in-flight bucket: its contents (stage 2, or stage 1's cast to the
+    reduce dtype) and every buffer its collectives allocate. Freeing the arenas after
+    backward is what makes stage 2's gradient memory at rest just the 1/N shards.
     """
 
-    def __init__(self, device: torch.device, input_numel: dict[torch.dtype, int],
-                 output_numel: dict[torch.dtype, int], slots: int) -> None:
+    def __init__(self, device: torch.device, arena_numel: dict[torch.dtype, int],
+                 slots: int) -> None:
         self.device = device
-        self.input_numel, self.output_numel = input_numel, output_numel
+        self.arena_numel = arena_numel
         self.slots = slots
-        self._free: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._all: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._free: dict[torch.dtype, list[PoolSlot]] = {}
+        self._all: list[PoolSlot] = []
 
-    def acquire(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def acquire(self, dtype: torch.dtype) -> PoolSlot:
         free = self._free.setdefault(dtype, [])
         if free:
-            return free.pop()
-        if sum(1 for i, _ in self._all if i.dtype == dtype) >= self.slots:
-            raise RuntimeError("bucket pool exhausted: release a slot before acquiring another")
-        slot = (torch.empty(self.input_numel.get(dtype, 0), dtype=dtype, device=self.device),
-                torch.empty(self.output_numel.get(dtype, 0), dtype=dtype, device=self.device))
+            slot = free.pop()
+            slot.used = 0
+            return slot
+        if sum(1 for s in self._all if s.arena.dtype == dtype) >= self.slots:
+            raise ZeroRuntimeError("bucket pool exhausted: release a slot before acquiring "
+                                   "another; this is an evenzero bug")
+        slot = PoolSlot(torch.empty(self.arena_numel.get(dtype, 0), dtype=dtype,
+                                    device=self.device))
         self._all.append(slot)
         return slot
 
-    def release(self, slot: tuple[torch.Tensor, torch.Tensor]) -> None:
-        self._free.setdefault(slot[0].dtype, []).append(slot)
+    def release(self, slot: PoolSlot) -> None:
+        self._free.setdefault(slot.arena.dtype, []).append(slot)
 
     def release_all(self) -> None:
         self._free.clear()
         self._all.clear()
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for slot in self._all for t in slot)
+        return sum(s.arena.numel() * s.arena.element_size() for s in self._all)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -21,14 +22,22 @@ ELEMENTWISE_OPTIMIZERS = (
 )
 
 
+def _not_int(value: Any) -> bool:
+    """True unless `value` is a real integer (bool and float are refused)."""
+    return isinstance(value, bool) or not isinstance(value, int)
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """How `ZeroOptimizer` shards, reduces and steps. Every field can also be passed to
     `ZeroOptimizer(...)` as a keyword argument."""
 
     stage: int = 2
-    """1: full gradients accumulate in persistent buffers, reduced once per step.
-    2: gradients are reduced as each bucket fills and only this rank's 1/N shard is kept."""
+    """1: each rank keeps full-size gradient buffers (autograd accumulates into them in
+    place); each bucket is reduced during backward as soon as it is complete, as in
+    stage 2, and only optimizer state and master weights are sharded. 2: each bucket's
+    gradients are copied out and reduced as it fills, and only this rank's 1/N shard of
+    the gradients is kept."""
     bucket_numel: int | None = None
     """Bucket size in elements; None means the strategy's default."""
     strategy: str | Callable[..., Any] = "evenzero"
@@ -64,32 +73,52 @@ class ZeroConfig:
     code that reads parameters directly after the step sees the new values."""
 
     def __post_init__(self) -> None:
-        if self.stage not in (1, 2):
+        if _not_int(self.stage) or self.stage not in (1, 2):
             raise ZeroConfigError(f"stage must be 1 or 2, got {self.stage!r}")
-        if self.bucket_numel is not None and (isinstance(self.bucket_numel, bool)
-                                              or not isinstance(self.bucket_numel, int)
+        if self.bucket_numel is not None and (_not_int(self.bucket_numel)
                                               or self.bucket_numel <= 0):
             raise ZeroConfigError(f"bucket_numel must be a positive integer number of elements, "
                                   f"got {self.bucket_numel!r}; e.g. bucket_numel=2**20")
+        if (_not_int(self.alignment_bytes) or self.alignment_bytes <= 0
+                or self.alignment_bytes & (self.alignment_bytes - 1)):
+            raise ZeroConfigError(f"alignment_bytes must be a power of two number of bytes, got "
+                                  f"{self.alignment_bytes!r}; e.g. alignment_bytes=128")
+        if _not_int(self.max_buckets_in_flight) or self.max_buckets_in_flight < 1:
+            raise ZeroConfigError(f"max_buckets_in_flight must be an integer of at least 1, got "
+                                  f"{self.max_buckets_in_flight!r}; e.g. max_buckets_in_flight=2")
         if self.reduce_scatter_algorithm not in (None, *REDUCE_SCATTER_ALGORITHMS):
             raise ZeroConfigError(f"reduce_scatter_algorithm must be one of "
                                   f"{REDUCE_SCATTER_ALGORITHMS}, got {self.reduce_scatter_algorithm!r}")
         if not (isinstance(self.strategy, str) or callable(self.strategy)):
             raise ZeroConfigError(f"strategy must be a strategy name such as 'evenzero' or a "
                                   f"planner callable, got {self.strategy!r}")
-        if self.max_buckets_in_flight < 1:
-            raise ZeroConfigError("max_buckets_in_flight must be at least 1")
-        if isinstance(self.loss_scale, str) and self.loss_scale != "dynamic":
-            raise ZeroConfigError(f"loss_scale must be 'dynamic', a number or None, got "
-                                  f"{self.loss_scale!r}")
-        if isinstance(self.loss_scale, (int, float)) and not self.loss_scale > 0:
-            raise ZeroConfigError(f"loss_scale must be positive, got {self.loss_scale}")
+        for name in ("allow_partial_grads", "overlap_param_gather"):
+            if not isinstance(getattr(self, name), bool):
+                raise ZeroConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.elementwise is not None and not isinstance(self.elementwise, bool):
+            raise ZeroConfigError(f"elementwise must be True, False or None, got "
+                                  f"{self.elementwise!r}")
+        self._check_loss_scale()
         try:
             if self.reduce_dtype is not None:
                 as_dtype(self.reduce_dtype, "reduce_dtype")
             as_dtype(self.master_dtype, "master_dtype")
         except ValueError as e:
             raise ZeroConfigError(str(e)) from None
+
+    def _check_loss_scale(self) -> None:
+        scale = self.loss_scale
+        if isinstance(scale, str):
+            if scale != "dynamic":
+                raise ZeroConfigError(f"loss_scale must be 'dynamic', a number or None, got "
+                                      f"{scale!r}")
+        elif scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                    or not math.isfinite(scale) or scale <= 0):
+            raise ZeroConfigError(f"loss_scale must be 'dynamic', None or a finite positive number, "
+                                  f"got {scale!r}; e.g. loss_scale=1024.0, or 'dynamic'")
+        if not isinstance(self.loss_scale_config, LossScaleConfig):
+            raise ZeroConfigError(f"loss_scale_config must be an evenzero.runtime.LossScaleConfig, "
+                                  f"got {type(self.loss_scale_config).__name__}")
 
     @classmethod
     def field_names(cls) -> frozenset[str]:

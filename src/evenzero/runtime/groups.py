@@ -21,8 +21,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from evenzero.runtime.precision import dtype_name
-from evenzero.spec import DENSE, GroupSpec, ModelSpec, ParamSpec
+from evenzero.spec import (
+    DENSE,
+    GroupSpec,
+    ModelSpec,
+    ParamSpec,
+    dtype_name,
+    expert_group_name,
+    is_expert,
+)
 
 
 class GroupingError(ValueError):
@@ -48,10 +55,6 @@ class TrainGroup:
 def trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """Trainable, non-empty parameters in registration order; tied ones once (first name)."""
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad and p.numel() > 0]
-
-
-def _is_expert(p: torch.nn.Parameter) -> bool:
-    return getattr(p, "allreduce", True) is False
 
 
 def build_groups(module: torch.nn.Module, world_group, param_groups: Iterable[Mapping] | None,
@@ -87,7 +90,7 @@ def build_groups(module: torch.nn.Module, world_group, param_groups: Iterable[Ma
             if id(p) in placed:
                 raise GroupingError(f"parameter {name_of[id(p)]!r} is in groups {placed[id(p)]!r} "
                                     f"and {gname!r}; put it in one group only")
-            if _is_expert(p) and raw.get("process_group") is None:
+            if is_expert(p) and raw.get("process_group") is None:
                 raise GroupingError(f"parameter {name_of[id(p)]!r} is marked as an expert "
                                     f"(allreduce=False) but its group {gname!r} has no "
                                     f"process_group; give the group its expert-data-parallel group")
@@ -108,8 +111,8 @@ def _groups_by_marker(named, world_group, expert_groups: Mapping[str, Any]) -> t
     buckets: dict[str, list[torch.nn.Parameter]] = {}
     name_of = {id(p): n for n, p in named}
     for n, p in named:
-        if _is_expert(p):
-            gname = str(getattr(p, "group_name", "experts"))
+        gname = expert_group_name(p)
+        if gname is not None:
             if gname not in expert_groups:
                 raise GroupingError(f"parameter {n!r} is an expert (allreduce=False, group_name="
                                     f"{gname!r}) but expert_groups has no process group for "

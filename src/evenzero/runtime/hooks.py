@@ -9,35 +9,74 @@ the new gradient into `param.grad`, once per parameter per backward, tied parame
 included (one Parameter object, one hook).
 
 Backward starts at whichever fires first: a parameter hook, or the gradient hook that
-a forward hook puts on every output tensor of the root module. The output hook matters
-on a rank whose backward reaches no managed parameter (a data-dependent branch, every
-token routed around the experts): no parameter hook fires there, and without the output
-hook that rank would never launch its share of the bucket collectives while the other
-ranks wait for it forever. With it, the rank's end-of-backward callback still runs and
-reduces zeros, and the step's presence check names the parameter.
+a forward hook puts on every output tensor of the root module, found in outputs of any
+structure (tuples, dicts, namedtuples, dataclasses, Hugging Face `ModelOutput`s, nested
+ones) with torch's pytree. The output hook matters on a rank whose backward reaches no
+managed parameter (a data-dependent branch, every token routed around the experts): no
+parameter hook fires there, and without the output hook that rank would never launch
+its share of the bucket collectives while the other ranks wait for it forever. With it,
+the rank's end-of-backward callback still runs and reduces zeros, and the step's
+presence check names the parameter.
 
 Backward start queues a callback on autograd's engine, which runs once the whole
-backward graph is done: that is where unfinished buckets are flushed.
+backward graph is done: that is where unfinished buckets are flushed. A root forward
+pre-hook tells the owner a forward begins (where a backward that raised is settled).
+
+The hooks hold their owner (the optimizer) only weakly: the model must not keep a
+dropped optimizer alive.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable, Sequence
-from typing import Any
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
+from torch.profiler import record_function
+from torch.utils import _pytree as pytree
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """Tensors inside a forward's output (tensor, or nested tuples, lists, dicts)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
+class BackwardObserver(Protocol):
+    """What the hooks report to (the optimizer)."""
+
+    def _backward_running(self) -> bool: ...
+
+    def _on_forward(self) -> None: ...
+
+    def _on_backward_start(self) -> None: ...
+
+    def _on_grad(self, name: str) -> None: ...
+
+    def _on_backward_end(self) -> None: ...
+
+
+def output_tensors(value: Any) -> list[torch.Tensor]:
+    """Every tensor in a forward's output, whatever its structure.
+
+    torch's pytree flattens the containers it knows (tuple, list, dict, OrderedDict,
+    namedtuple, and any type registered with it, as Hugging Face registers `ModelOutput`
+    when installed). It leaves dataclasses and subclasses of dict, list and tuple whole,
+    so those leaves are opened here: dataclass fields, mapping values, sequence items."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        for leaf in pytree.tree_leaves(stack.pop()):
+            if id(leaf) in seen:
+                continue
+            seen.add(id(leaf))
+            if isinstance(leaf, torch.Tensor):
+                out.append(leaf)
+            elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+                stack.extend(getattr(leaf, f.name, None) for f in dataclasses.fields(leaf))
+            elif isinstance(leaf, Mapping):
+                stack.extend(leaf.values())
+            elif isinstance(leaf, (list, tuple)):
+                stack.extend(leaf)
+    return out
 
 
 def _accumulates(grad_fn) -> bool:
@@ -59,20 +98,19 @@ def _accumulates(grad_fn) -> bool:
 
 
 class BackwardHooks:
-    """Calls `on_start()` when a backward through the module begins, `on_grad(name)` as
-    each gradient lands and `on_end()` when that backward finishes."""
+    """Reports to `owner` when a backward through the module begins, as each gradient
+    lands and when that backward finishes; records the arrival order on request."""
 
     def __init__(self, module: torch.nn.Module, named: Sequence[tuple[str, torch.nn.Parameter]],
-                 on_grad: Callable[[str], None], on_end: Callable[[], None],
-                 on_start: Callable[[], None] = lambda: None) -> None:
-        self.on_grad, self.on_end, self.on_start = on_grad, on_end, on_start
-        self.in_backward = False
+                 owner: BackwardObserver) -> None:
+        self._owner = weakref.ref(owner)
         self.arrival: list[str] | None = None
         self._recorded: set[str] = set()
         self._task = -1  # graph task whose backward started from a parameter hook
         self._probed = -1  # graph task whose end is already being watched
         self.handles = [p.register_post_accumulate_grad_hook(functools.partial(self._hook, n))
                         for n, p in named]
+        self.handles.append(module.register_forward_pre_hook(self._before_forward))
         self.handles.append(module.register_forward_hook(self._watch_outputs))
 
     def record_arrival(self) -> None:
@@ -83,10 +121,15 @@ class BackwardHooks:
         order, self.arrival = self.arrival, None
         return order
 
+    def _before_forward(self, _module, _args) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner._on_forward()
+
     def _watch_outputs(self, _module, _args, output) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or self._owner() is None:
             return
-        for t in _tensors(output):
+        for t in output_tensors(output):
             if t.requires_grad:
                 t.register_hook(functools.partial(self._output_grad, t.grad_fn))
 
@@ -101,30 +144,31 @@ class BackwardHooks:
         """End of a backward through the module's outputs. If no parameter hook fired in
         it, this rank's backward reached no managed parameter: run the end-of-backward
         path anyway (it reduces zeros), so the other ranks' collectives are matched."""
-        if self._task == task or not _accumulates(grad_fn):
+        owner = self._owner()
+        if owner is None or self._task == task or not _accumulates(grad_fn):
             return  # the parameter hooks took care of it, or it was torch.autograd.grad
         self._task = task
-        self.in_backward = True
-        self.on_start()
-        self._end()
-
-    def _begin(self) -> None:
-        if not self.in_backward:
-            self.in_backward = True
-            self._task = torch._C._current_graph_task_id()
-            torch.autograd.Variable._execution_engine.queue_callback(self._end)
-            self.on_start()
+        owner._on_backward_start()
+        owner._on_backward_end()
 
     def _hook(self, name: str, _param: torch.Tensor) -> None:
-        self._begin()
-        if self.arrival is not None and name not in self._recorded:
-            self._recorded.add(name)
-            self.arrival.append(name)
-        self.on_grad(name)
+        owner = self._owner()
+        if owner is None:
+            return
+        with record_function("evenzero::backward_hook"):
+            if not owner._backward_running():
+                self._task = torch._C._current_graph_task_id()
+                torch.autograd.Variable._execution_engine.queue_callback(self._end)
+                owner._on_backward_start()
+            if self.arrival is not None and name not in self._recorded:
+                self._recorded.add(name)
+                self.arrival.append(name)
+            owner._on_grad(name)
 
     def _end(self) -> None:
-        self.in_backward = False
-        self.on_end()
+        owner = self._owner()
+        if owner is not None:
+            owner._on_backward_end()
 
     def remove(self) -> None:
         for h in self.handles:

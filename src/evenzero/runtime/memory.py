@@ -39,9 +39,7 @@ def measure(groups: Iterable, reducer, params: Iterable[torch.nn.Parameter],
     """Measure the engine's current holdings: group states (master and grad shards), the
     gradient reducer's buffers, stray `.grad` tensors, optimizer state and flat params."""
     groups = list(groups)
-    held = set()
-    if reducer.grad_buffers is not None:
-        held = {v.data_ptr() for vs in reducer.grad_buffers.views for v in vs}
+    held = reducer.held_grads()
     pending = sum(_nbytes(p.grad) for p in params
                   if p.grad is not None and p.grad.data_ptr() not in held)
     state = sum(_nbytes(v) for s in optimizer.state.values() for v in s.values()

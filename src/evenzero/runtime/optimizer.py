@@ -23,6 +23,12 @@ Lifecycle of one step:
    forward only after `opt.wait_for_params()` (`opt.module`, `state_dict()` and the
    optimizer's own methods wait by themselves).
 
+Where the optimizer is in that cycle is one `TrainingState` (`runtime/lifecycle.py`);
+the backward side, including recovery from a backward that raised on some ranks only,
+is `runtime/backward.py`; what happens at exit and when the optimizer is dropped is
+`runtime/teardown.py`. Profiler labels "evenzero::..." mark the backward hook, bucket
+copy, launch, wait, accumulate, step check, step and gather.
+
 Usage beyond the basic loop (gradient accumulation with `no_sync()`, mixed precision
 and fp16 loss scaling with `opt.backward(loss)`, MoE `expert_groups`, checkpoints with
 `opt.save` / `opt.load`, DeepSpeed's schedule with `strategy="deepspeed-0.6"`) is in the
@@ -34,11 +40,16 @@ skips `grad=None`; one that produced a gradient on some ranks only is an error u
 `allow_partial_grads=True`. A rank whose backward reaches no managed parameter (but
 does go through the module's output) reduces zeros, so the others do not wait for it;
 the step then names the parameters, as above. Reentrant activation checkpointing is not
-supported.
+supported. A backward that raises on some ranks only voids the step on every rank: the
+rank that raised settles its share of the collectives at its next zero_grad(), forward
+or step, the others' step raises, and zero_grad() on every rank goes on. zero_grad()
+after a backward but before step() takes part in the step's one small all-reduce, so a
+rank that discards its gradients while the others step is an error, not a divergence.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
@@ -46,24 +57,32 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
-from evenzero.plan import STEP, Collective, Plan, PlanError
+from evenzero.plan import Plan, Schedule
+from evenzero.runtime.backward import BackwardSide
 from evenzero.runtime.buckets import FlatParams
-from evenzero.runtime.checks import ZeroConfigError, ZeroRuntimeError, backward_problems
-from evenzero.runtime.collectives import Trace, default_reduce_scatter_algorithm
+from evenzero.runtime.checks import ZeroConfigError, ZeroRuntimeError
+from evenzero.runtime.collectives import (
+    REDUCE_SCATTERS,
+    TraceRecorder,
+    default_reduce_scatter_algorithm,
+)
 from evenzero.runtime.config import ZeroConfig
-from evenzero.runtime.gradstats import GradStats, reduce_grad_stats
+from evenzero.runtime.gradstats import GradStats, StepCheck, StepCheckConfig
 from evenzero.runtime.hooks import BackwardHooks
+from evenzero.runtime.lifecycle import Lifecycle, TrainingState
 from evenzero.runtime.memory import MemoryReport, measure
 from evenzero.runtime.precision import as_dtype, loss_scaler_for
 from evenzero.runtime.prefetch import ParamPrefetch
-from evenzero.runtime.reducer import GradientReducer
+from evenzero.runtime.reducer import GradientReducer, ReducerConfig
 from evenzero.runtime.routes import plan_routes
 from evenzero.runtime.setup import establish, make_plan
 from evenzero.runtime.shards import GroupState, gather_order, load_masters, reshard_group
+from evenzero.runtime.teardown import Resources, release_with
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(BackwardSide):
     """Shards gradients (stage 2) and optimizer state (stages 1, 2) over data-parallel ranks.
 
     Args:
@@ -99,6 +118,7 @@ class ZeroOptimizer:
         self._module = module
         self.world_group = dist.group.WORLD if process_group is None else process_group
         self.world_size = dist.get_world_size(self.world_group)
+        self.rank = dist.get_rank(self.world_group)
         setup = establish(module, optimizer_class, param_groups, self.config, expert_groups,
                           self.world_group, kwargs, config_error)
         self._setup = setup
@@ -127,27 +147,26 @@ class ZeroOptimizer:
                 param_dtypes[g.name], reduce_dtype or param_dtypes[g.name],
                 torch.zeros(n, dtype=master_dtype, device=setup.device),
                 torch.zeros(n, dtype=master_dtype, device=setup.device), g.options)
-        self.trace_log = Trace()
+        self._recorder = TraceRecorder()
+        self._step_check = StepCheck(StepCheckConfig(self._names, self.world_group,
+                                                     self.world_size, setup.control_device,
+                                                     cfg.allow_partial_grads), self._recorder)
+        self._life = Lifecycle(len(self._names))
         self._prefetch = ParamPrefetch(module, self.params)
         self._install(plan, previous=None)
         self.optimizer = optimizer_class(
             [{"params": [self.groups[g.name].master], **self.groups[g.name].options}
              for g in plan.groups], **kwargs)
-
         self.step_count = 0
         self.last_step_skipped = False
-        self._sync = True
-        self._measuring = True
-        self._unsynced = False
-        self._backward_since_step = False
-        self._presence = [0.0] * len(self._names)
-        self._stats: GradStats | None = None
-        self._read_early: list[str] = []
-        self._problem: str | None = None
-        self._stale_layouts: set = set()
-        self._hooks = BackwardHooks(module, setup.named, self._on_grad, self._on_backward_end,
-                                    self._on_backward_start)
+        self._hooks = BackwardHooks(module, setup.named, self)
         self._hooks.record_arrival()
+        # Finished work and hooks are released when this object goes away, at the latest
+        # at interpreter exit (runtime/teardown.py); nothing the model holds refers to it.
+        self._resources = Resources()
+        self._resources.on_close(self._prefetch.remove)
+        self._resources.on_close(self._hooks.remove)
+        release_with(self, self._resources)
 
     # ------------------------------------------------------------------ the plan
 
@@ -155,9 +174,6 @@ class ZeroOptimizer:
         """Make `plan` the executed one: routes, flat buffers, masters, reducer."""
         self._prefetch.wait_all()
         routes = plan_routes(plan, dict(self._setup.group_ranks))
-        if plan.strategy == "evenzero" and any(r.direct_shard_offset is None for r in routes):
-            raise PlanError("evenzero plan has a bucket whose reduce-scatter output is not this "
-                            "rank's contiguous shard slice; this is a planner bug")
         if previous is None or plan.layouts != previous.layouts:
             self._flat = FlatParams(plan, self.params, dict(self._setup.group_ranks))
             for st in self.groups.values():
@@ -166,76 +182,23 @@ class ZeroOptimizer:
                     continue
                 reshard_group(self.optimizer, previous, plan, st)
         self.plan = plan
-        self._reducer = GradientReducer(routes, self.params, self.groups, self.config.stage,
-                                        self.reduce_scatter_algorithm, self.world_size,
-                                        self.trace_log, self.config.max_buckets_in_flight,
-                                        self._setup.device)
-        self._gather_order = gather_order(plan, self.groups)
-        self._prefetch.bind(plan, self._flat, self.groups, self._gather_order)
-        self._check_record = Collective(STEP, "all_reduce", "world", self.world_size, None, None,
-                                        0, len(self._names) + 3, itemsize=4)
-
-    def _adopt_arrival(self, order: list[str]) -> None:
-        """Agree on rank 0's measured arrival order and re-plan once if it differs."""
-        box = [order]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.world_group, 0),
-                                   group=self.world_group)
-        order = box[0]
-        if not order:
-            # Rank 0's backward reached no managed parameter: nothing was measured, so
-            # keep the assumed order and measure the next backward instead.
-            self._measuring = True
-            self._hooks.record_arrival()
-            return
-        unchanged = tuple(order) == self.plan.arrival
-        self.spec = self.spec.with_arrival(order, "measured")
-        if unchanged:
-            return
-        plan = make_plan(self.spec, self.world_size, self.config, self._setup.group_sizes)
-        if plan != self.plan:
-            self._install(plan, previous=self.plan)
+        self._reducer = GradientReducer(
+            routes, self.params, self.groups,
+            ReducerConfig(self.config.stage, self.world_size, self.config.max_buckets_in_flight,
+                          self._setup.device, REDUCE_SCATTERS[self.reduce_scatter_algorithm]),
+            self._recorder)
+        self._prefetch.bind(plan, self._flat, self.groups, gather_order(plan, self.groups))
 
     # ------------------------------------------------------------------ backward
-
-    def _on_backward_start(self) -> None:
-        # Layouts no forward pre-hook waited for; a gradient for one of their parameters
-        # means the parameter was read while its gather could still be running.
-        self._stale_layouts = set(self._prefetch.pending)
-        self._prefetch.wait_all()
-
-    def _on_grad(self, name: str) -> None:
-        self._presence[self._index[name]] = 1.0
-        if self._stale_layouts and self._prefetch.layout_of(name) in self._stale_layouts:
-            self._read_early.append(name)
-        if self._sync and not self._measuring:
-            self._reducer.grad_ready(name)
-
-    def _on_backward_end(self) -> None:
-        self._stale_layouts = set()
-        if self._measuring:
-            self._measuring = False
-            self._adopt_arrival(self._hooks.take_arrival() or [])
-        self._stats = None
-        self._backward_since_step = True
-        if not self._sync:
-            self._unsynced = True
-            return
-        self._unsynced = False
-        problems = self._reducer.finish() + backward_problems(self._read_early, self._module,
-                                                             self._managed)
-        self._read_early = []
-        # Raised at the step's all-reduce, on every rank: raising here, on this rank only,
-        # would leave the others waiting in that all-reduce.
-        self._problem = self._problem or (problems[0] if problems else None)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally, without communication."""
-        previous, self._sync = self._sync, False
+        previous, self._life.sync = self._life.sync, False
         try:
             yield
         finally:
-            self._sync = previous
+            self._life.sync = previous
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss times the current loss scale (unchanged unless loss scaling is on)."""
@@ -247,42 +210,27 @@ class ZeroOptimizer:
 
     # ------------------------------------------------------------------ step
 
-    def _check_can_step(self, what: str) -> None:
-        if self._hooks.in_backward:
-            raise ZeroRuntimeError(f"{what}() called during backward (or after a backward that "
-                                   f"raised; call zero_grad() to start over)")
-        if not self._backward_since_step:
-            raise ZeroRuntimeError(f"{what}() called without a backward() since the last step or "
-                                   f"zero_grad(); run loss.backward() first")
-        if self._unsynced:
-            raise ZeroRuntimeError(f"{what}(): the last backward ran under no_sync(), so its "
-                                   f"gradients were never reduced; run the last micro-batch's "
-                                   f"backward outside no_sync()")
-
-    def _grad_stats(self) -> GradStats:
-        """The step's one all-reduce, once per step (clip and step share it)."""
-        if self._stats is None:
-            stats = reduce_grad_stats(
-                (st.grad for st in self.groups.values()), self._presence, self._names,
-                self.world_group, self.world_size, self._setup.comm_device,
-                self.loss_scaler.scale, self.config.allow_partial_grads, self._problem is not None)
-            self.trace_log.record(self._check_record, "all_reduce")
-            if stats.problem_ranks:
-                problem, self._problem = self._problem, None
-                raise ZeroRuntimeError(problem or (
-                    f"{stats.problem_ranks} other rank(s) found a problem in the last backward "
-                    f"and raised it; see their error (this rank's backward was fine)"))
-            self._stats = stats
-        return self._stats
+    def _grad_stats(self, what: str) -> GradStats:
+        """The step check's result, after making sure `what` may run now."""
+        life = self._life
+        if life.is_dead_backward():
+            problem = self._recover()
+            raise ZeroRuntimeError(f"{what}(): {problem}; call zero_grad() and go on")
+        life.require(what)
+        self._prefetch.wait_all()
+        return life.record.stats or self._run_step_check()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so their global 2-norm is at most `max_norm`; returns the norm
-        before clipping, over all ranks and groups (like torch.nn.utils.clip_grad_norm_)."""
+        before clipping, over all ranks and groups (like torch.nn.utils.clip_grad_norm_,
+        which also leaves the gradients alone for max_norm=inf)."""
         if float(norm_type) != 2.0:
             raise ZeroConfigError(f"clip_grad_norm_: only norm_type=2 is supported, got {norm_type}")
-        self._check_can_step("clip_grad_norm_")
-        self._prefetch.wait_all()
-        stats = self._grad_stats()
+        if (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
+                or math.isnan(max_norm) or max_norm < 0):
+            raise ZeroConfigError(f"clip_grad_norm_: max_norm must be a number >= 0 (inf to "
+                                  f"measure without clipping), got {max_norm!r}")
+        stats = self._grad_stats("clip_grad_norm_")
         if not stats.overflow:
             coef = max_norm / (stats.norm + 1e-6)
             if coef < 1.0:
@@ -296,59 +244,57 @@ class ZeroOptimizer:
         if closure is not None:
             raise ZeroConfigError("step(closure) is not supported; compute the loss and call "
                                   "backward() before step()")
-        self._check_can_step("step")
-        self._prefetch.wait_all()
-        stats = self._grad_stats()
-        self.last_step_skipped = stats.overflow and self.loss_scaler.enabled
-        if self.last_step_skipped:
-            self.loss_scaler.update(overflow=True)
-            for st in self.groups.values():
-                st.grad.zero_()
-        else:
-            if self.loss_scaler.enabled and self.loss_scaler.scale != 1.0:
+        stats = self._grad_stats("step")
+        with record_function("evenzero::step"):
+            self.last_step_skipped = stats.overflow and self.loss_scaler.enabled
+            if self.last_step_skipped:
+                self.loss_scaler.update(overflow=True)
                 for st in self.groups.values():
-                    st.grad.mul_(1.0 / self.loss_scaler.scale)
-            for st in self.groups.values():
-                st.master.grad = st.grad
-            self.optimizer.step()
-            for st in self.groups.values():
-                st.master.grad = None
-            self.loss_scaler.update(overflow=False)
-            self._flat.repoint_moved()
-            self._prefetch.launch(self.trace_log, self.config.overlap_param_gather)
-            self.step_count += 1
-        self.trace_log.close_step()
-        self._presence = [0.0] * len(self._names)
-        self._backward_since_step = False
-        self._stats = None
+                    st.grad.zero_()
+            else:
+                if self.loss_scaler.enabled and self.loss_scaler.scale != 1.0:
+                    for st in self.groups.values():
+                        st.grad.mul_(1.0 / self.loss_scaler.scale)
+                for st in self.groups.values():
+                    st.master.grad = st.grad
+                self.optimizer.step()
+                for st in self.groups.values():
+                    st.master.grad = None
+                self.loss_scaler.update(overflow=False)
+                self._flat.repoint_moved()
+                self._prefetch.launch(self._recorder, self.config.overlap_param_gather)
+                self.step_count += 1
+        self._recorder.close_step()
+        self._life.reset()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient shards (and stage 1's buffers); drop any local `.grad`."""
+        """Zero the gradient shards (and stage 1's buffers); drop any local `.grad`.
+
+        After a backward that raised on this rank, this first finishes that backward's
+        collectives with the other ranks (the error's advice). Gradients reduced but
+        never stepped are discarded with the other ranks' agreement: a rank that steps
+        them while another discards them raises instead of training differently."""
         del set_to_none  # shards are kept allocated: they are the at-rest gradient memory
-        if self._hooks.in_backward:
-            # A backward raised before its end callback ran; start the next one clean.
-            self._hooks.in_backward = False
-            self._reducer.abandon()
-            self._stale_layouts, self._read_early = set(), []
-        for st in self.groups.values():
-            st.grad.zero_()
-        self._reducer.zero_()
-        views = self._reducer.grad_buffers
-        held = {v.data_ptr() for vs in views.views for v in vs} if views is not None else set()
-        for p in self.params.values():
-            if p.grad is not None and p.grad.data_ptr() not in held:
-                p.grad = None
-        self._presence = [0.0] * len(self._names)
-        self._unsynced = False
-        self._backward_since_step = False
-        self._stats = None
+        life = self._life
+        if life.is_dead_backward():
+            self._recover()
+            return
+        if life.state is TrainingState.BACKWARD:
+            raise ZeroRuntimeError("zero_grad() called during backward; call it before the "
+                                   "forward or after step()")
+        if life.state is TrainingState.REDUCED:
+            life.note_problem("this rank discarded the step's gradients with zero_grad() "
+                              "before step()")
+            self._run_step_check(raise_problems=False)
+        self._void_step()
 
     # ------------------------------------------------------------------ interface
 
     @property
-    def trace(self) -> tuple[Collective, ...]:
-        """Collectives issued in the last step (backward ones in issue order, then the step's)."""
-        return self.trace_log.last
+    def trace(self) -> Schedule:
+        """Collectives issued in the last step (backward ones in issue order, then the
+        step's), as plan records; prints as a table and equals the plan's tuples."""
+        return self._recorder.last
 
     @property
     def param_groups(self) -> list[dict]:
@@ -406,4 +352,3 @@ class ZeroOptimizer:
         if name not in self.groups:
             raise KeyError(f"no parameter group {name!r}; groups are {list(self.groups)}")
         return self.groups[name]
-

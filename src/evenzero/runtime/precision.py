@@ -16,6 +16,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from evenzero.runtime.checks import ZeroConfigError
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64, "fp32": torch.float32, "fp16": torch.float16,
           "bf16": torch.bfloat16, "half": torch.float16}
@@ -31,10 +33,6 @@ def as_dtype(value: torch.dtype | str, what: str) -> torch.dtype:
     if value not in DTYPES:
         raise ValueError(f"{what}: unknown dtype {value!r}; use one of {sorted(DTYPES)}")
     return DTYPES[value]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -53,12 +51,22 @@ class LossScaleConfig:
     """The scale never goes below this."""
 
     def __post_init__(self) -> None:
-        if not (self.init_scale > 0 and math.isfinite(self.init_scale)):
-            raise ValueError(f"loss scale must be a positive finite number, got {self.init_scale}")
-        if self.growth_factor < 1 or not 0 < self.backoff_factor < 1:
-            raise ValueError("loss scale growth_factor must be >= 1 and backoff_factor in (0, 1)")
-        if self.growth_interval < 1:
-            raise ValueError(f"loss scale growth_interval must be >= 1, got {self.growth_interval}")
+        for name in ("init_scale", "growth_factor", "backoff_factor", "min_scale"):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value <= 0):
+                raise ZeroConfigError(f"LossScaleConfig.{name} must be a finite positive number, "
+                                      f"got {value!r}")
+        if self.growth_factor < 1:
+            raise ZeroConfigError(f"LossScaleConfig.growth_factor must be >= 1, got "
+                                  f"{self.growth_factor!r}; e.g. growth_factor=2.0")
+        if not self.backoff_factor < 1:
+            raise ZeroConfigError(f"LossScaleConfig.backoff_factor must be in (0, 1), got "
+                                  f"{self.backoff_factor!r}; e.g. backoff_factor=0.5")
+        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int) \
+                or self.growth_interval < 1:
+            raise ZeroConfigError(f"LossScaleConfig.growth_interval must be an integer >= 1, got "
+                                  f"{self.growth_interval!r}; e.g. growth_interval=1000")
 
 
 class LossScaler:

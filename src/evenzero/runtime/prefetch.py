@@ -25,11 +25,12 @@ import functools
 from collections.abc import Iterable, Mapping
 
 import torch
+from torch.profiler import record_function
 
 from evenzero.plan import Collective, Plan
 from evenzero.runtime.buckets import FlatParams
-from evenzero.runtime.collectives import Trace, all_gather_layout
-from evenzero.runtime.shards import GroupState, layout_bases
+from evenzero.runtime.collectives import LayoutAllGather, TraceRecorder
+from evenzero.runtime.shards import GroupState
 
 LayoutKey = tuple[str, int]
 
@@ -39,6 +40,7 @@ class ParamPrefetch:
 
     def __init__(self, module: torch.nn.Module, params: Mapping[str, torch.nn.Parameter]) -> None:
         self.pending: dict[LayoutKey, object] = {}
+        self._gather = LayoutAllGather()
         self._params = params
         self._holders = [m for m in module.modules()
                          if any(p is not None for p in m._parameters.values())]
@@ -55,7 +57,7 @@ class ParamPrefetch:
         each layout's slice starts in its group's master shard."""
         self.wait_all()
         self.plan, self.flat, self.states, self.order = plan, flat, states, order
-        self._base = {(g, i): b for g in states for i, b, _ in layout_bases(plan, g)}
+        self._base = {(g, s.layout): s.shard_offset for g in states for s in plan.layout_shards(g)}
         self._layout_of_param = {s.name: (lay.group, lay.index)
                                  for lay in plan.layouts for s in lay.params}
         key_of = {id(p): self._layout_of_param[n] for n, p in self._params.items()
@@ -64,19 +66,20 @@ class ParamPrefetch:
                                           if p is not None and id(p) in key_of))
                       for m in self._holders]
 
-    def launch(self, trace: Trace | None, overlap: bool) -> None:
+    def launch(self, trace: TraceRecorder | None, overlap: bool) -> None:
         """Write every master shard into its slices and start every layout's gather, in
         plan order; with `overlap` False, also wait for all of them before returning."""
         self.wait_all()
-        for c in self.order:
-            st = self.states[c.group]
-            mine = self.flat.owned_slice(c.group, c.bucket)
-            base = self._base[(c.group, c.bucket)]
-            mine.copy_(st.master[base:base + mine.numel()])
-            self.pending[(c.group, c.bucket)] = all_gather_layout(
-                self.flat.buffers[(c.group, c.bucket)], st.rank, st.process_group)
-            if trace is not None:
-                trace.record(c, "all_gather_into_tensor")
+        with record_function("evenzero::gather"):
+            for c in self.order:
+                key = (c.group, c.buffer_index)
+                st = self.states[c.group]
+                mine = self.flat.owned_slice(*key)
+                base = self._base[key]
+                mine.copy_(st.master[base:base + mine.numel()])
+                self.pending[key] = self._gather(self.flat.buffers[key], mine, st.process_group)
+                if trace is not None:
+                    trace.record(c, self._gather.name)
         if not overlap:
             self.wait_all()
 
@@ -84,12 +87,14 @@ class ParamPrefetch:
         for key in keys:
             work = self.pending.pop(key, None)
             if work is not None:
-                work.wait()
+                with record_function("evenzero::gather_wait"):
+                    work.wait()
 
     def wait_all(self) -> None:
         # In issue order: on gloo the oldest gather is the first to finish anyway.
         while self.pending:
-            self.pending.pop(next(iter(self.pending))).wait()
+            with record_function("evenzero::gather_wait"):
+                self.pending.pop(next(iter(self.pending))).wait()
 
     def layout_of(self, name: str) -> LayoutKey | None:
         """The layout holding parameter `name`."""

@@ -1,69 +1,89 @@
-"""Gradient reduction during backward: buckets launched in plan order, overlapped.
+"""Gradient reduction during backward: buckets started in plan order, overlapped.
 
 Every rank must issue the same collectives in the same order, or they pair up wrongly
-or hang. So a bucket is launched only when it is complete *and* every bucket before it
-in the plan has been launched; a complete bucket behind an incomplete one waits. At the
-end of backward every bucket not yet launched is launched in order, with zeros for
-parameters that produced no gradient. Whatever the data did, every rank has then issued
-exactly `plan.backward()`; a gradient that exists on some ranks only is caught by name
-at the step, not by a hang.
+or hang. So a bucket's sync is started only when the bucket is complete *and* every
+bucket before it in the plan has been started; a complete bucket behind an incomplete
+one waits. At the end of backward (`finish_grad_sync`) every bucket not yet started is
+started in order, with zeros for parameters that produced no gradient. Whatever the
+data did, every rank has then issued exactly `plan.backward()`; a gradient that exists
+on some ranks only is caught by name at the step, not by a hang.
 
-Each launched bucket is reduced asynchronously; at most `max_in_flight` are outstanding
-(the oldest is waited for first). When a bucket's reduction completes, this rank's
-owned elements are added, divided by the world size, into its fp32 gradient shard.
-Dividing by the world size, for expert groups too, makes the result the gradient of the
-mean loss over the global batch (DeepSpeed #6546 divided experts by the expert-DP size).
+At most `max_in_flight` buckets are outstanding (the oldest is finished first). Each
+bucket's collectives and their accumulation into the fp32 gradient shard are done by
+the bucket's route executor (`runtime/executors.py`): evenzero's one reduce-scatter, or
+the replay of a peer's pieces.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.profiler import record_function
 
-from evenzero.runtime.buckets import BucketPool, GradBuffers
-from evenzero.runtime.collectives import PieceHandle, Trace, reduce_scatter, scratch_numel
+from evenzero.runtime.buckets import BucketPool, GradBuffers, PoolSlot
+from evenzero.runtime.collectives import ReduceScatter, TraceRecorder
+from evenzero.runtime.executors import RouteExecutor, executor_for
 from evenzero.runtime.routes import BucketRoute
 from evenzero.runtime.shards import GroupState
 
 
+@dataclass(frozen=True)
+class ReducerConfig:
+    """How the reducer runs, fixed for one plan."""
+
+    stage: int
+    """1: persistent full-gradient buffers per bucket (autograd accumulates into them);
+    2: each bucket's gradients are copied into a pool slot when it is complete."""
+    world_size: int
+    """Reduced gradients are divided by this: the mean over the global batch."""
+    max_in_flight: int
+    """Buckets whose collectives may be outstanding at once."""
+    device: torch.device
+    """Device of the gradients (and the pool)."""
+    reduce_scatter: ReduceScatter
+    """The reduce-scatter algorithm for the backend."""
+
+
 @dataclass
 class _InFlight:
-    route: BucketRoute
-    buf: torch.Tensor
-    handles: list
-    slot: tuple[torch.Tensor, torch.Tensor] | None
+    position: int
+    bucket: torch.Tensor
+    slot: PoolSlot
+    handle: Any
 
 
 class GradientReducer:
-    """Launches, waits for and accumulates the bucket reductions of one plan."""
+    """Starts, finishes and accumulates the bucket reductions of one plan."""
 
     def __init__(self, routes: tuple[BucketRoute, ...], params: Mapping[str, torch.nn.Parameter],
-                 groups: Mapping[str, GroupState], stage: int, algorithm: str, world_size: int,
-                 trace: Trace, max_in_flight: int, device: torch.device) -> None:
-        self.routes, self.groups, self.stage = routes, groups, stage
-        self.algorithm, self.world_size, self.trace = algorithm, world_size, trace
-        self.max_in_flight = max_in_flight
+                 groups: Mapping[str, GroupState], config: ReducerConfig, trace: TraceRecorder,
+                 make_executor: Callable[..., RouteExecutor] = executor_for) -> None:
+        self.routes, self.groups, self.config, self.trace = routes, groups, config, trace
+        self.executors = [make_executor(r, groups[r.bucket.group], config.reduce_scatter)
+                          for r in routes]
         self.route_params = [[params[s.name] for s in r.bucket.params] for r in routes]
         self.position = {s.name: r.position for r in routes for s in r.bucket.params}
-        self.grad_buffers = GradBuffers([r.bucket for r in routes], params) if stage == 1 else None
-        inp: dict[torch.dtype, int] = {}
-        out: dict[torch.dtype, int] = {}
-        for r in routes:
+        self.grad_buffers = (GradBuffers([r.bucket for r in routes], params)
+                             if config.stage == 1 else None)
+        arena: dict[torch.dtype, int] = {}
+        for r, ex in zip(routes, self.executors, strict=True):
             g = groups[r.bucket.group]
-            if stage == 2:
-                inp[g.reduce_dtype] = max(inp.get(g.reduce_dtype, 0), r.bucket.numel)
-            if r.direct_shard_offset is not None:
-                need = scratch_numel(algorithm, r.bucket.numel, g.size)
-                out[g.reduce_dtype] = max(out.get(g.reduce_dtype, 0), need)
-        self.pool = BucketPool(device, inp, out, max_in_flight)
+            need = ex.pool_numel() + (r.bucket.numel if self._copies_in(g) else 0)
+            arena[g.reduce_dtype] = max(arena.get(g.reduce_dtype, 0), need)
+        self.pool = BucketPool(config.device, arena, config.max_in_flight)
         self._reset()
+
+    def _copies_in(self, g: GroupState) -> bool:
+        """Whether a bucket's contents go into its pool slot (else they stay in place)."""
+        return self.config.stage == 2 or g.param_dtype != g.reduce_dtype
 
     def _reset(self) -> None:
         self.remaining = [len(p) for p in self.route_params]
-        self.launched = [False] * len(self.routes)
+        self.started = [False] * len(self.routes)
         self.arrived: set[str] = set()
         self.late: list[str] = []
         self.orphans: list[str] = []
@@ -78,7 +98,7 @@ class GradientReducer:
         if pos is None:
             self.orphans.append(name)
             return
-        if self.launched[pos]:
+        if self.started[pos]:
             self.late.append(name)
             return
         if name in self.arrived:
@@ -86,17 +106,17 @@ class GradientReducer:
         self.arrived.add(name)
         self.remaining[pos] -= 1
         while self.next < len(self.routes) and self.remaining[self.next] == 0:
-            self._launch(self.next)
+            self.start_grad_sync(self.next)
             self.next += 1
 
-    def finish(self) -> list[str]:
-        """End of backward: launch the rest in order and wait for all. Returns what went
+    def finish_grad_sync(self) -> list[str]:
+        """End of backward: start the rest in order and finish all. Returns what went
         wrong (empty if nothing), after the collectives, so every rank stays in step."""
         while self.next < len(self.routes):
-            self._launch(self.next)
+            self.start_grad_sync(self.next)
             self.next += 1
         while self.inflight:
-            self._finalize_oldest()
+            self._finish_oldest()
         self.pool.release_all()
         problems = [f"gradient of {n!r} arrived after its bucket was reduced in the same "
                     f"backward (reentrant activation checkpointing?); use "
@@ -107,40 +127,27 @@ class GradientReducer:
         self._reset()
         return problems
 
-    def abandon(self) -> None:
-        """Forget a backward that died midway (its end callback never ran): wait for what
-        was launched, so buffers are free, and start clean."""
-        while self.inflight:
-            self._finalize_oldest()
-        self.pool.release_all()
-        self._reset()
-
     # ------------------------------------------------------------------ one bucket
 
-    def _launch(self, pos: int) -> None:
-        while len(self.inflight) >= self.max_in_flight:
-            self._finalize_oldest()
+    def start_grad_sync(self, pos: int) -> None:
+        """Copy bucket `pos` in and issue its collectives (after finishing the oldest
+        bucket if `max_in_flight` are outstanding)."""
+        while len(self.inflight) >= self.config.max_in_flight:
+            self._finish_oldest()
         route = self.routes[pos]
         g = self.groups[route.bucket.group]
-        slot = None
-        if self.stage == 2 or route.direct_shard_offset is not None:
-            slot = self.pool.acquire(g.reduce_dtype)
-        buf = self._fill_stage2(route, slot[0]) if self.stage == 2 else self._fill_stage1(route, g)
-        if route.direct_shard_offset is not None:
-            c = route.collectives[0]
-            out = slot[1][:scratch_numel(self.algorithm, route.bucket.numel, g.size)]
-            handles = [reduce_scatter(buf, out, g.process_group, self.algorithm, g.grad.dtype)]
-            self.trace.record(c, self.algorithm)
-        else:
-            handles = []
-            for c in route.collectives:
-                handles.append(PieceHandle(c, buf, g.process_group, self.algorithm, g.rank))
-                self.trace.record(c, self.algorithm if c.op == "reduce_scatter" else c.op)
-        self.inflight.append(_InFlight(route, buf, handles, slot))
-        self.launched[pos] = True
+        slot = self.pool.acquire(g.reduce_dtype)
+        with record_function("evenzero::bucket_copy"):
+            if self.config.stage == 2:
+                bucket = self._fill_stage2(route, slot, g)
+            else:
+                bucket = self._fill_stage1(route, slot, g)
+        handle = self.executors[pos].start_grad_sync(bucket, slot, self.trace)
+        self.inflight.append(_InFlight(pos, bucket, slot, handle))
+        self.started[pos] = True
 
-    def _fill_stage2(self, route: BucketRoute, pool_input: torch.Tensor) -> torch.Tensor:
-        buf = pool_input[:route.bucket.numel]
+    def _fill_stage2(self, route: BucketRoute, slot: PoolSlot, g: GroupState) -> torch.Tensor:
+        buf = slot.take(route.bucket.numel, g.reduce_dtype)
         dst, src = [], []
         for s, p in zip(route.bucket.params, self.route_params[route.position], strict=True):
             region = buf[s.offset:s.offset + s.numel]
@@ -158,7 +165,7 @@ class GradientReducer:
             p.grad = None
         return buf
 
-    def _fill_stage1(self, route: BucketRoute, g: GroupState) -> torch.Tensor:
+    def _fill_stage1(self, route: BucketRoute, slot: PoolSlot, g: GroupState) -> torch.Tensor:
         views = self.grad_buffers.views[route.position]
         for p, view in zip(self.route_params[route.position], views, strict=True):
             grad = p.grad
@@ -172,27 +179,21 @@ class GradientReducer:
                 view.copy_(grad)
             p.grad = view if view.dtype == p.dtype and view.shape == p.shape else None
         buf = self.grad_buffers.buffers[route.position]
-        return buf if buf.dtype == g.reduce_dtype else buf.to(g.reduce_dtype)
+        if not self._copies_in(g):
+            return buf
+        cast = slot.take(buf.numel(), g.reduce_dtype)
+        cast.copy_(buf)
+        return cast
 
-    def _finalize_oldest(self) -> None:
+    def _finish_oldest(self) -> None:
         f = self.inflight.popleft()
-        route = f.route
+        route = self.routes[f.position]
         shard = self.groups[route.bucket.group].grad
-        scale = 1.0 / self.world_size
-        if route.direct_shard_offset is not None:
-            chunk = f.handles[0].wait()
-            off = route.direct_shard_offset
-            shard[off:off + chunk.numel()].add_(chunk, alpha=scale)
-        else:
-            for h in f.handles:
-                h.wait()
-            for piece in route.owned:
-                shard[piece.shard_offset:piece.shard_offset + piece.numel].add_(
-                    f.buf[piece.bucket_offset:piece.bucket_offset + piece.numel], alpha=scale)
-        if self.stage == 1:
-            self.grad_buffers.buffers[route.position].zero_()
-        if f.slot is not None:
-            self.pool.release(f.slot)
+        self.executors[f.position].finish_grad_sync(f.handle, f.bucket, shard,
+                                                    1.0 / self.config.world_size)
+        if self.config.stage == 1:
+            self.grad_buffers.buffers[f.position].zero_()
+        self.pool.release(f.slot)
 
     # ------------------------------------------------------------------ state
 
@@ -200,7 +201,12 @@ class GradientReducer:
         if self.grad_buffers is not None:
             self.grad_buffers.zero_()
 
+    def held_grads(self) -> set[int]:
+        """Data pointers of the `.grad` views that are the reducer's own buffers."""
+        if self.grad_buffers is None:
+            return set()
+        return {v.data_ptr() for vs in self.grad_buffers.views for v in vs}
+
     def nbytes(self) -> int:
         held = self.grad_buffers.nbytes() if self.grad_buffers is not None else 0
         return held + self.pool.nbytes()
-

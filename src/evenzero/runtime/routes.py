@@ -84,13 +84,13 @@ def _covered(piece: tuple[int, int], intervals: Sequence[tuple[int, int]]) -> bo
 
 
 def _check_collective(c: Collective, bucket_numel: dict[tuple[str, int], int]) -> None:
-    where = f"backward collective {c.op} on group {c.group!r} bucket {c.bucket}"
+    where = f"backward collective {c.op} on group {c.group!r} bucket {c.buffer_index}"
     if c.op not in REDUCING_OPS:
         raise PlanError(f"{where}: the runtime executes only {', '.join(REDUCING_OPS)} in "
                         f"backward; use a sharded strategy such as 'evenzero'")
-    if c.bucket is None or (c.group, c.bucket) not in bucket_numel:
+    if c.buffer_index is None or (c.group, c.buffer_index) not in bucket_numel:
         raise PlanError(f"{where}: names no bucket of the plan")
-    size = bucket_numel[(c.group, c.bucket)]
+    size = bucket_numel[(c.group, c.buffer_index)]
     for o, n in c.pieces():
         if o < 0 or n < 0 or o + n > size:
             raise PlanError(f"{where}: piece ({o}, {n}) lies outside the bucket of {size} elements")
@@ -119,9 +119,9 @@ def plan_routes(plan: Plan, group_ranks: dict[str, int]) -> tuple[BucketRoute, .
         if c.group_size != sizes.get(c.group):
             raise PlanError(f"backward {c.op} on group {c.group!r} claims {c.group_size} ranks but "
                             f"the group has {sizes.get(c.group)}")
-        pos = position[(c.group, c.bucket)]
+        pos = position[(c.group, c.buffer_index)]
         if pos < last:
-            raise PlanError(f"backward collectives of bucket {c.bucket} of group {c.group!r} are "
+            raise PlanError(f"backward collectives of bucket {c.buffer_index} of group {c.group!r} are "
                             f"issued after a later bucket's; the runtime launches buckets in "
                             f"plan order, so list collectives in `plan.buckets` order")
         last = pos
@@ -175,13 +175,11 @@ def _direct_offset(plan: Plan, b: Bucket, colls: list[Collective]) -> int | None
     c = colls[0]
     if c.op != "reduce_scatter" or c.segments or c.offset != 0 or c.numel != b.numel:
         return None
-    layouts = plan.group_layouts(b.group)
-    if not any(lay == b for lay in layouts):
-        return None
-    size = plan.group(b.group).size
-    # Every rank's shard of the group is the concatenation of its slices of the layouts
-    # in index order, so the slice of this layout starts after the earlier layouts' slices.
-    return sum(lay.numel // size for lay in layouts if lay.index < b.index)
+    for layout, shard in zip(plan.group_layouts(b.group), plan.layout_shards(b.group),
+                             strict=True):
+        if layout == b:
+            return shard.shard_offset
+    return None
 
 
 def _gaps(b: Bucket) -> tuple[tuple[int, int], ...]:

@@ -22,6 +22,7 @@ from evenzero.runtime.checks import (
     agree,
     check_group_partition,
 )
+from evenzero.runtime.collectives import control_device
 from evenzero.runtime.config import ZeroConfig, check_elementwise
 from evenzero.runtime.groups import (
     GroupingError,
@@ -31,9 +32,9 @@ from evenzero.runtime.groups import (
     model_spec,
     trainable,
 )
-from evenzero.runtime.precision import as_dtype, dtype_name
-from evenzero.spec import ModelSpec
-from evenzero.strategies.common import PlanOptions
+from evenzero.runtime.precision import as_dtype
+from evenzero.spec import ModelSpec, dtype_name
+from evenzero.strategies import PlanOptions, executable_plan
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,8 @@ class Setup:
     """The planner's description of the model (arrival: reverse registration)."""
     device: torch.device
     """Device of every parameter."""
-    comm_device: torch.device
-    """Device of the small control tensors (CUDA under NCCL, else CPU)."""
+    control_device: torch.device
+    """Device of the small control tensors (`collectives.control_device`)."""
 
 
 def _check_devices(named) -> torch.device:
@@ -66,13 +67,6 @@ def _check_devices(named) -> torch.device:
         raise GroupingError("parameters are on the meta device; materialise them first "
                             "(module.to_empty(device=...) and initialise the weights)")
     return device
-
-
-def _comm_device(world_group, device: torch.device | None) -> torch.device:
-    backend = str(dist.get_backend(world_group))
-    if "nccl" in backend and (backend == "nccl" or (device is not None and device.type == "cuda")):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _members(group: TrainGroup, world_group) -> tuple[int, ...]:
@@ -145,7 +139,7 @@ def establish(module: torch.nn.Module, optimizer_class, param_groups: Iterable[M
         settings=_settings(config, optimizer_class, {**defaults, **{
             f"{g.name}.{k}": v for g in groups for k, v in g.options.items()}}),
         error=error)
-    comm = _comm_device(world_group, device)
+    comm = control_device(world_group, device)
     agree(desc, world_group, comm)
     check_group_partition(members, world_group, comm, [g.name for g in groups])
     spec = model_spec(type(module).__name__, named, groups, world, sizes)
@@ -161,25 +155,7 @@ def plan_options(config: ZeroConfig) -> PlanOptions:
 def make_plan(spec: ModelSpec, world_size: int, config: ZeroConfig,
               group_sizes: Mapping[str, int]) -> Plan:
     """Plan with the configured strategy and check it fits the process groups we have."""
-    options = plan_options(config)
-    if callable(config.strategy):
-        plan = config.strategy(spec, world_size, options)
-    elif config.strategy == "evenzero":
-        # Imported directly so the engine does not depend on every peer planner importing.
-        from evenzero.strategies.evenzero import plan_evenzero
-
-        plan = plan_evenzero(spec, world_size, options)
-    else:
-        from evenzero.strategies import plan as plan_with
-
-        plan = plan_with(spec, world_size, config.strategy, options)
-    names = {g.name for g in plan.groups}
-    if any(b.group not in names for b in plan.buckets):
-        # DeepSpeed's IPG buckets mix param groups; the runtime reduces a bucket on one
-        # process group, so run the same collectives on single-group buckets.
-        from evenzero.strategies.deepspeed import split_by_group
-
-        plan = split_by_group(plan)
+    plan = executable_plan(spec, world_size, config.strategy, plan_options(config))
     if not plan.sharded:
         raise ZeroConfigError(f"strategy {config.strategy!r} keeps full optimizer state on every "
                               f"rank; ZeroOptimizer runs sharded plans such as 'evenzero'")

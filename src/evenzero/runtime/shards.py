@@ -18,8 +18,7 @@ import torch
 from evenzero.plan import STEP, Collective, Plan
 from evenzero.runtime.buckets import FlatParams
 from evenzero.runtime.collectives import all_gather_flat
-from evenzero.runtime.precision import dtype_name
-from evenzero.spec import DTYPE_BYTES
+from evenzero.spec import DTYPE_BYTES, dtype_name
 
 
 @dataclass(eq=False)
@@ -46,30 +45,21 @@ class GroupState:
     """Optimizer keyword overrides for this group."""
 
 
-def layout_bases(plan: Plan, group: str) -> list[tuple[int, int, int]]:
-    """(layout index, shard offset, per-rank numel) of each layout of `group`."""
-    size = plan.group(group).size
-    out, base = [], 0
-    for lay in plan.group_layouts(group):
-        per = lay.numel // size
-        out.append((lay.index, base, per))
-        base += per
-    return out
-
-
 def load_masters(plan: Plan, flat: FlatParams, state: GroupState) -> None:
     """Master shard := this rank's slices of the flat parameter buffers."""
-    for index, base, per in layout_bases(plan, state.name):
-        state.master[base:base + per].copy_(flat.owned_slice(state.name, index))
+    for shard in plan.layout_shards(state.name):
+        state.master[shard.shard_offset:shard.shard_offset + shard.numel].copy_(
+            flat.owned_slice(state.name, shard.layout))
 
 
 def param_values(plan: Plan, shard: torch.Tensor, state: GroupState) -> dict[str, torch.Tensor]:
     """Every parameter of the group, whole and flat, gathered from the ranks' shards."""
     out: dict[str, torch.Tensor] = {}
     layouts = plan.group_layouts(state.name)
-    for lay, (_, base, per) in zip(layouts, layout_bases(plan, state.name), strict=True):
+    for lay, part in zip(layouts, plan.layout_shards(state.name), strict=True):
         full = torch.empty(lay.numel, dtype=shard.dtype, device=shard.device)
-        all_gather_flat(full, shard[base:base + per].contiguous(), state.process_group)
+        mine = shard[part.shard_offset:part.shard_offset + part.numel].contiguous()
+        all_gather_flat(full, mine, state.process_group)
         for s in lay.params:
             out[s.name] = full[s.offset:s.offset + s.numel]
     return out
@@ -88,8 +78,8 @@ def gather_order(plan: Plan, groups: Mapping[str, GroupState]) -> tuple[Collecti
     """The plan's all-gathers if they are one whole gather per layout, else our own."""
     layouts = {(lay.group, lay.index): lay.numel for lay in plan.layouts}
     planned = tuple(c for c in plan.step() if c.op == "all_gather")
-    if (sorted((c.group, c.bucket) for c in planned) == sorted(layouts)
-            and all(c.offset == 0 and not c.segments and c.numel == layouts[(c.group, c.bucket)]
+    if (sorted((c.group, c.buffer_index) for c in planned) == sorted(layouts)
+            and all(c.offset == 0 and not c.segments and c.numel == layouts[(c.group, c.buffer_index)]
                     for c in planned)):
         return planned
     return tuple(Collective(STEP, "all_gather", lay.group, groups[lay.group].size, None, lay.index,

@@ -1,50 +1,50 @@
 """Planners: each turns a `ModelSpec`, a world size and `PlanOptions` into a `Plan`.
 
-`plan(spec, world_size, "evenzero")` is the entry point; `STRATEGIES` lists them all.
+`plan(spec, world_size, "evenzero")` is the entry point. Every strategy is one `Strategy`
+record in `registry.REGISTRY`; `STRATEGIES` maps names to records, and
+`executable_plan` gives the runtime a plan it can execute without knowing which
+planner made it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from evenzero.plan import Plan, PlanError
 from evenzero.spec import ModelSpec
 from evenzero.strategies.common import PlanOptions, group_infos
+from evenzero.strategies.executable import PlannerArg, executable_plan, split_by_group
+from evenzero.strategies.registry import (
+    GENERIC_MEMORY,
+    REGISTRY,
+    STRATEGIES,
+    GradsAtRest,
+    MemoryModel,
+    Planner,
+    Strategy,
+)
 
-Planner = Callable[[ModelSpec, int, PlanOptions], Plan]
-
-
-def _registry() -> dict[str, Planner]:
-    from evenzero.strategies import ddp, deepspeed, evenzero, fsdp2, megatron
-
-    return {
-        "evenzero": evenzero.plan_evenzero,
-        "deepspeed-0.6": deepspeed.plan_deepspeed_reduce,
-        "deepspeed": deepspeed.plan_deepspeed_allreduce,
-        "deepspeed-reduce-mode": deepspeed.plan_deepspeed_reduce_mode,
-        "megatron": megatron.plan_megatron,
-        "fsdp2": fsdp2.plan_fsdp2,
-        "ddp": ddp.plan_ddp,
-    }
-
-
-STRATEGY_NAMES = ("evenzero", "deepspeed-0.6", "deepspeed", "megatron", "fsdp2", "ddp")
-"""The strategies `evenzero plan ... --strategy all` compares. "deepspeed-reduce-mode"
-(DeepSpeed 0.12.4+ with use_multi_rank_bucket_allreduce=false) is planned on request."""
+STRATEGY_NAMES = tuple(s.name for s in REGISTRY if s.compared)
+"""The strategies `evenzero plan ... --strategy all` compares; the others
+("deepspeed-reduce-mode") are planned on request."""
 
 
 def strategy_names() -> tuple[str, ...]:
     """Every strategy `plan` accepts (STRATEGY_NAMES plus those planned on request)."""
-    return tuple(_registry())
+    return tuple(STRATEGIES)
+
+
+def get_strategy(name: str) -> Strategy:
+    """The registered strategy `name`; the error lists the choices."""
+    if name not in STRATEGIES:
+        raise PlanError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
 
 
 def plan(spec: ModelSpec, world_size: int, strategy: str = "evenzero",
          options: PlanOptions | None = None) -> Plan:
     """Plan `spec` on `world_size` ranks with `strategy`."""
-    planners = _registry()
-    if strategy not in planners:
-        raise PlanError(f"unknown strategy {strategy!r}; choose from {', '.join(planners)}")
-    return planners[strategy](spec, world_size, options or PlanOptions())
+    return get_strategy(strategy).plan(spec, world_size, options)
 
 
-__all__ = ["STRATEGY_NAMES", "PlanOptions", "group_infos", "plan", "strategy_names"]
+__all__ = ["GENERIC_MEMORY", "STRATEGIES", "STRATEGY_NAMES", "GradsAtRest", "MemoryModel",
+           "PlanOptions", "Planner", "PlannerArg", "Strategy", "executable_plan",
+           "get_strategy", "group_infos", "plan", "split_by_group", "strategy_names"]

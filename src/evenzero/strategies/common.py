@@ -3,33 +3,64 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from evenzero.plan import BACKWARD, STEP, Bucket, Collective, GroupInfo, PlanError
 from evenzero.spec import DTYPE_BYTES, ModelSpec
+
+if TYPE_CHECKING:
+    from evenzero.cost import CostModel
+    from evenzero.cost.compute import ComputeProfile
+
+AUTO = "auto"
+"""`PlanOptions.bucket_numel` value: pick the size with the timeline (evenzero only)."""
 
 
 @dataclass(frozen=True)
 class PlanOptions:
     """Knobs a user can turn; None means the strategy's own default."""
 
-    bucket_numel: int | None = None
-    """Bucket size in elements (DeepSpeed: reduce_bucket_size; DDP: converted from 25 MB)."""
+    bucket_numel: int | str | None = None
+    """Bucket size in elements (DeepSpeed: reduce_bucket_size; DDP: converted from 25 MB).
+    "auto" (evenzero's default; other strategies read it as None): the size with the
+    shortest predicted step within the memory budget (`evenzero.cost.autobucket`)."""
     round_robin: bool = False
     """DeepSpeed `round_robin_gradients`: interleave the flat layout across ranks."""
     alignment_bytes: int = 128
     """evenzero: every shard starts on this many bytes."""
     reduce_dtype: str | None = None
     """Dtype of gradient messages; None means each group's parameter dtype."""
+    max_buckets_in_flight: int = 2
+    """evenzero: buckets reduced concurrently (the runtime's `max_buckets_in_flight`)."""
+    cost_model: CostModel | None = None
+    """evenzero auto bucket size: the cost model to predict with; None: the default
+    preset for the world size (`evenzero.cost.presets.default_cost_preset`)."""
+    compute: ComputeProfile | None = None
+    """evenzero auto bucket size: measured compute times; None: FLOPs estimates."""
+    bucket_memory_bytes: int | None = None
+    """evenzero auto bucket size: bytes the bucket buffers in flight may take; None: the
+    default budget (`evenzero.cost.autobucket.default_memory_budget`)."""
 
     def __post_init__(self) -> None:
-        if self.bucket_numel is not None and (isinstance(self.bucket_numel, bool)
-                                              or self.bucket_numel <= 0):
-            raise PlanError(f"bucket size must be a positive number of elements, got "
-                            f"{self.bucket_numel}; pass e.g. --bucket-numel 33554432")
+        b = self.bucket_numel
+        if b is not None and b != AUTO and (isinstance(b, bool) or not isinstance(b, int) or b <= 0):
+            raise PlanError(f"bucket size must be a positive number of elements or \"auto\", "
+                            f"got {b!r}; pass e.g. --bucket-numel 33554432")
+        m = self.max_buckets_in_flight
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise PlanError(f"max_buckets_in_flight must be a positive integer, got {m!r}")
+        if self.bucket_memory_bytes is not None and not self.bucket_memory_bytes > 0:
+            raise PlanError(f"bucket memory budget must be a positive number of bytes, got "
+                            f"{self.bucket_memory_bytes!r}")
         if self.alignment_bytes <= 0:
             raise PlanError(f"alignment must be positive, got {self.alignment_bytes} bytes")
         if self.reduce_dtype is not None and self.reduce_dtype not in DTYPE_BYTES:
             raise PlanError(f"reduce dtype {self.reduce_dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+
+    @property
+    def fixed_bucket_numel(self) -> int | None:
+        """The bucket size the user fixed, or None (unset or "auto")."""
+        return None if self.bucket_numel == AUTO else self.bucket_numel
 
 
 def check_world_size(world_size: int) -> None:
@@ -94,8 +125,9 @@ def completion_order(spec: ModelSpec, buckets: list[Bucket]) -> list[Bucket]:
 def all_gathers(spec: ModelSpec, infos: tuple[GroupInfo, ...], layouts: list[Bucket]) -> list[Collective]:
     """One equal all-gather per layout, on the layout's group."""
     size = {g.name: g.size for g in infos}
+    itemsize = {g.name: DTYPE_BYTES[group_dtype(spec, g.name)] for g in infos}
     return [Collective(STEP, "all_gather", b.group, size[b.group], None, b.index, 0, b.numel,
-                       itemsize=DTYPE_BYTES[group_dtype(spec, b.group)]) for b in layouts]
+                       itemsize=itemsize[b.group]) for b in layouts]
 
 
 def check_has_params(spec: ModelSpec) -> None:
@@ -104,4 +136,4 @@ def check_has_params(spec: ModelSpec) -> None:
                         "(or check requires_grad)")
 
 
-__all__ = ["BACKWARD", "STEP", "PlanOptions", "group_infos"]
+__all__ = ["AUTO", "BACKWARD", "STEP", "PlanOptions", "group_infos"]

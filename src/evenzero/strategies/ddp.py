@@ -25,7 +25,7 @@ rank, so the plan is unsharded and has no ownership layouts and no step collecti
 
 from __future__ import annotations
 
-from evenzero.plan import BACKWARD, Bucket, Collective, GroupInfo, Plan, Slot
+from evenzero.plan import BACKWARD, Bucket, Collective, Execution, GroupInfo, Plan, Slot
 from evenzero.spec import DTYPE_BYTES, ModelSpec
 from evenzero.strategies.common import (
     PlanOptions,
@@ -43,8 +43,8 @@ BUCKET_BYTES = 25 * 1024 * 1024
 
 def bucket_limits(itemsize: int, options: PlanOptions) -> tuple[int, int]:
     """(first bucket, later buckets) limits in bytes."""
-    if options.bucket_numel:
-        cap = options.bucket_numel * itemsize
+    if options.fixed_bucket_numel:
+        cap = options.fixed_bucket_numel * itemsize
         return cap, cap
     return FIRST_BUCKET_BYTES, BUCKET_BYTES
 
@@ -122,4 +122,11 @@ def plan_ddp(spec: ModelSpec, world_size: int, options: PlanOptions | None = Non
                            b.numel, itemsize=message_itemsize(spec, b.group, options))
                 for b in ordered]
     return Plan("ddp", world_size, infos, tuple(ordered), (), tuple(backward),
-                spec.arrival_order, tuple(notes), sharded=False)
+                spec.arrival_order, tuple(notes), sharded=False, execution=EXECUTION)
+
+
+EXECUTION = Execution(max_in_flight=None, launch_in_order=True, copies_grads=True,
+                      missing_grads_hold_bucket=False)
+"""The Reducer launches buckets in index order, asynchronously and without limit; with
+the default `gradient_as_bucket_view=False` it copies each gradient into its bucket;
+unused params count as ready."""

@@ -1,7 +1,10 @@
-"""DeepSpeed ZeRO-2's backward schedule, old and new (shared/reference/deepspeed-zero2.md).
+"""DeepSpeed ZeRO-2's backward schedule, old and new.
 
-All three variants share the layout, the IPG buckets and `rank_and_offsets` of
-`deepspeed_layout`; they differ only in how a flushed bucket is communicated (§5.4, §5.5):
+Source: deepspeed/runtime/zero/stage_1_and_2.py (`average_tensor`) at commit edaa72212
+(after v0.19.5; unversioned line numbers below are there), v0.9.0 and v0.6.1. All three
+variants share the layout, the IPG buckets and `rank_and_offsets` of `deepspeed_layout`;
+they differ only in how a flushed bucket is communicated (@edaa72212:L1438-1468; before
+v0.12.4, v0.6.1:L958-973 and v0.9.0:L972-987):
 
 * "deepspeed-0.6" (v0.10 .. v0.12.3; v0.6-v0.9 differ only in not checking the process
   group when merging): one `reduce` per `rank_and_offsets` entry, rooted at the entry's
@@ -14,25 +17,25 @@ All three variants share the layout, the IPG buckets and `rank_and_offsets` of
 
 The step is planned the same for all: three 1-element norm all-reduces over the world,
 then one `all_gather_into_tensor` of each group's flat layout on its (expert-)DP group.
-That is exact from 0.12.4 (#4695); before it, "deepspeed-0.6" gathered in chunks of
+That is exact from 0.12.4 (deepspeedai/DeepSpeed#4695, `all_gather_dp_groups`,
+deepspeed/runtime/utils.py@edaa72212:1005-1013); before it, "deepspeed-0.6" gathered in chunks of
 `allgather_bucket_size` (5e8 elements), which is one call per group for every preset
 here except the very largest, so the simplification only undercounts those.
 
 Params whose gradient never arrives produce no collective at all: the owner steps on
-zeros with no cross-rank agreement (§6). The plan says so in its notes.
+zeros with no cross-rank agreement (`independent_gradient_partition_epilogue`,
+L919-969; zeros for a None grad at L2110-2111). The plan says so in its notes.
 
 `Plan.buckets` are the IPG buckets themselves (group `IPG_GROUP`, since one bucket mixes
-dense and expert params); `split_by_group` re-expresses a plan with single-group buckets
-for consumers that need one process group per bucket, with the same collectives.
+dense and expert params); `evenzero.strategies.executable.split_by_group` re-expresses a
+plan with single-group buckets for the runtime, with the same collectives.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
-from itertools import groupby
 
-from evenzero.plan import BACKWARD, STEP, Bucket, Collective, Plan, PlanError
+from evenzero.plan import BACKWARD, STEP, Collective, Execution, Plan
 from evenzero.spec import ModelSpec
 from evenzero.strategies.common import (
     PlanOptions,
@@ -48,7 +51,7 @@ from evenzero.strategies.deepspeed_layout import (
 )
 
 DEFAULT_REDUCE_BUCKET_SIZE = 500_000_000
-"""`reduce_bucket_size` default, in elements (zero/config.py)."""
+"""`reduce_bucket_size` default, in elements (deepspeed/runtime/zero/config.py@edaa72212:L113)."""
 
 NORM_ALL_REDUCES = 3
 """1-element all-reduces DeepSpeed's step issues over the world (grad norm and overflow)."""
@@ -97,7 +100,7 @@ def flattened(op: str, spec: ModelSpec, options: PlanOptions, bucket: int,
 
 def reduce_per_entry(spec: ModelSpec, zero: ZeroPartitioning, limit: int,
                      options: PlanOptions) -> list[Collective]:
-    """<= v0.12.3 (§5.5): one async reduce per entry, in bucket-offset order."""
+    """<= v0.12.3: one async reduce per entry, in bucket-offset order (v0.9.0:L972-987)."""
     return [Collective(BACKWARD, "reduce", e.group, e.process_group.size, e.dst, bucket.index,
                        e.offset, e.numel, itemsize=message_itemsize(spec, e.group, options))
             for bucket, entries in zip(zero.buckets, zero.entries, strict=True) for e in entries]
@@ -105,7 +108,8 @@ def reduce_per_entry(spec: ModelSpec, zero: ZeroPartitioning, limit: int,
 
 def all_reduce_per_process_group(spec: ModelSpec, zero: ZeroPartitioning, limit: int,
                                  options: PlanOptions) -> list[Collective]:
-    """v0.12.4+ default (§5.4): per bucket, one all-reduce per process group (per chunk)."""
+    """v0.12.4+ default: per bucket, one all-reduce per process group per chunk
+    (`allreduce_and_scatter`, @edaa72212:L1314-1348)."""
     out = []
     for bucket, entries in zip(zero.buckets, zero.entries, strict=True):
         by_pg: dict[object, list[ReduceEntry]] = {}
@@ -119,7 +123,8 @@ def all_reduce_per_process_group(spec: ModelSpec, zero: ZeroPartitioning, limit:
 
 def reduce_per_destination(spec: ModelSpec, zero: ZeroPartitioning, limit: int,
                            options: PlanOptions) -> list[Collective]:
-    """`use_multi_rank_bucket_allreduce=False` (§5.4): one reduce per (dst, process group)."""
+    """`use_multi_rank_bucket_allreduce=False`: one reduce per (dst, process group) per
+    chunk (`allreduce_no_retain`, @edaa72212:L1910-1941)."""
     out = []
     for bucket, entries in zip(zero.buckets, zero.entries, strict=True):
         by_dst: dict[object, list[ReduceEntry]] = {}
@@ -135,14 +140,20 @@ def plan_with(strategy: str, dispatch: Dispatch, spec: ModelSpec, world_size: in
               options: PlanOptions) -> Plan:
     check_has_params(spec)
     infos = group_infos(spec, world_size)
-    limit = options.bucket_numel or DEFAULT_REDUCE_BUCKET_SIZE
+    limit = options.fixed_bucket_numel or DEFAULT_REDUCE_BUCKET_SIZE
     zero = partition_zero(spec, infos, world_size, limit, options.round_robin)
     backward = dispatch(spec, zero, limit, options)
     norms = [Collective(STEP, "all_reduce", "world", world_size, None, None, 0, 1, itemsize=4)
              for _ in range(NORM_ALL_REDUCES)]
     step = norms + all_gathers(spec, infos, list(zero.layouts))
     return Plan(strategy, world_size, infos, zero.buckets, zero.layouts,
-                tuple(backward + step), spec.arrival_order, tuple(notes(spec, zero, limit, options)))
+                tuple(backward + step), spec.arrival_order, tuple(notes(spec, zero, limit, options)),
+                execution=EXECUTION)
+
+
+EXECUTION = Execution(max_in_flight=0, launch_in_order=True, copies_grads=True)
+"""ZeRO-2's default `overlap_comm=False` (zero/config.py, v0.19.8): a flushed IPG bucket is
+reduced on the compute stream, so backward waits for every flush's collectives."""
 
 
 def notes(spec: ModelSpec, zero: ZeroPartitioning, limit: int, options: PlanOptions) -> list[str]:
@@ -181,40 +192,3 @@ def plan_deepspeed_reduce_mode(spec: ModelSpec, world_size: int,
     """DeepSpeed >= 0.12.4 with use_multi_rank_bucket_allreduce=False."""
     return plan_with("deepspeed-reduce-mode", reduce_per_destination, spec, world_size,
                      options or PlanOptions())
-
-
-def split_by_group(p: Plan) -> Plan:
-    """The same schedule with each mixed IPG bucket split into single-group buckets.
-
-    For consumers that need a bucket to live on one process group (the runtime's routes
-    look a bucket up by (group, index) and use one group rank per bucket). Each run of
-    consecutive backward collectives on one param group becomes a bucket of that group,
-    indexed per group in issue order. It keeps the IPG bucket's size and offsets, so the
-    (root, offset, numel) rows are unchanged; it lists only the params its collectives
-    carry, so the rest of the buffer reads as padding. The seed case becomes (dense, 0)
-    with 11 reduces, (experts, 0) with 2 and, with the gate, (dense, 1) with 1.
-    """
-    owner = {s.name: b.group for b in p.layouts for s in b.params}
-    buckets: list[Bucket] = []
-    backward: list[Collective] = []
-    count: dict[str, int] = {}
-    for bucket in p.buckets:
-        calls = [c for c in p.backward() if c.bucket == bucket.index]
-        for group, run in groupby(calls, key=lambda c: c.group):
-            run = list(run)
-            pieces = [x for c in run for x in c.pieces()]
-            slots = tuple(s for s in bucket.params
-                          if any(o < s.offset + s.numel and s.offset < o + n for o, n in pieces))
-            mixed = sorted({owner[s.name] for s in slots} - {group})
-            if mixed:
-                # DeepSpeed merges runs of two param groups on one process group into one
-                # message; a single-group bucket cannot describe that without dropping
-                # the other group's gradients, so refuse rather than run it wrongly.
-                raise PlanError(f"DeepSpeed's schedule merges param groups {group!r} and "
-                                f"{mixed[0]!r} (same process group) into one message; run "
-                                f"it with one param group per process group")
-            index = count.get(group, 0)
-            count[group] = index + 1
-            buckets.append(Bucket(group, index, bucket.numel, slots))
-            backward += [replace(c, bucket=index) for c in run]
-    return replace(p, buckets=tuple(buckets), collectives=tuple(backward) + p.step())

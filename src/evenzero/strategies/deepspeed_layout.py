@@ -1,19 +1,21 @@
 """DeepSpeed ZeRO-1/2 partitioning and IPG buckets, as pure data.
 
-Mirrors `deepspeed/runtime/zero/stage_1_and_2.py` as described, with line references, in
-shared/reference/deepspeed-zero2.md:
+Mirrors deepspeed/runtime/zero/stage_1_and_2.py at commit edaa72212 (after v0.19.5;
+line numbers below are there):
 
-* Flat layout (§2): each param group is flattened in registration order (optionally
-  round-robin reordered), one zero pad is appended so the total is a multiple of
-  `2 x dp_g`, and the flat buffer is cut into `dp_g` equal partitions. A param belongs
-  to every partition it touches; one that starts exactly on a boundary belongs only to
-  the later partition (§3).
-* IPG bucket (§4.3): ONE bucket shared by every group fills in gradient-arrival order
-  and is flushed *before* adding a param that would overflow it. A param larger than
-  the bucket still enters it and forces a flush at the next arrival, so it goes alone.
-* rank_and_offsets (§5.3): each param in the bucket is cut at its partition boundaries;
-  a slice extends the previous entry only if it is adjacent in the bucket and has the
-  same destination partition and the same process group.
+* Flat layout (`__init__`, L389-466; `get_data_parallel_partitions`, L1966-1984): each
+  param group is flattened in registration order (optionally round-robin reordered,
+  L418-427), one zero pad is appended so the total is a multiple of `2 x dp_g`, and the
+  flat buffer is cut into `dp_g` equal partitions. A param belongs to every partition
+  it touches; one that starts exactly on a boundary belongs only to the later partition
+  (`initialize_gradient_partition`, L1049-1098).
+* IPG bucket (`reduce_independent_p_g_buckets_and_remove_grads`, L1193-1253): ONE
+  bucket shared by every group fills in gradient-arrival order and is flushed *before*
+  adding a param that would overflow it (L1201). A param larger than the bucket still
+  enters it and forces a flush at the next arrival, so it goes alone.
+* rank_and_offsets (`average_tensor`, L1376-1433): each param in the bucket is cut at
+  its partition boundaries; a slice extends the previous entry only if it is adjacent
+  in the bucket and has the same destination partition and the same process group.
 
 Why `Bucket.group` is the label `IPG_GROUP`: a DeepSpeed IPG bucket mixes dense and
 expert params (the seed case bucket holds both), so no param group owns it. Each
@@ -117,7 +119,7 @@ def partition_parts(start: int, numel: int, partition_size: int) -> tuple[tuple[
 
 def flatten_group(spec: ModelSpec, info: GroupInfo, round_robin: bool,
                   process_group: ProcessGroup) -> tuple[Bucket, dict[str, ParamPartitions]]:
-    """The group's flat layout and each param's partitions (§2, §3)."""
+    """The group's flat layout and each param's partitions (L389-466, L1049-1098)."""
     names = [p.name for p in spec.group_params(info.name)]
     if round_robin:
         names = round_robin_order(names, info.size)
@@ -130,7 +132,7 @@ def flatten_group(spec: ModelSpec, info: GroupInfo, round_robin: bool,
     # DeepSpeed keeps `partition_size` as a float (len(flat) / dp); the padding makes it
     # integral, so integer arithmetic gives the same offsets without the 1024.0 noise.
     size = padded // info.size
-    # Zero-size params never enter a bucket (§4.3 step 1), so they need no partitions;
+    # Zero-size params never enter a bucket (L1195, #8280), so they need no partitions;
     # a group of only such params has no partitions at all.
     parts = {s.name: ParamPartitions(info.name, s.offset,
                                      partition_parts(s.offset, s.numel, size) if s.numel else (),
@@ -139,7 +141,7 @@ def flatten_group(spec: ModelSpec, info: GroupInfo, round_robin: bool,
 
 
 def fill_ipg_buckets(spec: ModelSpec, limit: int) -> list[Bucket]:
-    """Arrival-order bucket fill with DeepSpeed's flush-before-add rule (§4.3)."""
+    """Arrival-order bucket fill with DeepSpeed's flush-before-add rule (L1193-1253)."""
     buckets: list[Bucket] = []
     slots: list[Slot] = []
     used = 0
@@ -160,7 +162,8 @@ def fill_ipg_buckets(spec: ModelSpec, limit: int) -> list[Bucket]:
 
 
 def rank_and_offsets(bucket: Bucket, params: dict[str, ParamPartitions]) -> list[ReduceEntry]:
-    """§5.3: cut each param at partition boundaries; merge adjacent same-(dst, pg) runs.
+    """`rank_and_offsets` (L1376-1433): cut each param at partition boundaries; merge
+    adjacent same-(dst, pg) runs.
 
     DeepSpeed puts an expert param on its EDP group only when the bucket holds an expert
     param, which is always true for the bucket that holds it, so each param's own process

@@ -6,11 +6,25 @@ Each bucket is padded to a multiple of `group_size x alignment`, and rank r owns
 r-th equal slice of every bucket. So the bucket is ready the moment its last gradient
 arrives, and its reduction is a single equal reduce-scatter whose output is exactly the
 owner's shard: no pieces, no merging, no root.
+
+The bucket size is the user's, or by default the one with the shortest predicted step
+within a memory budget (`evenzero.cost.autobucket`): a fixed default cannot be right for
+both a 10M-parameter model (one 32M bucket means nothing overlaps backward) and a 70B
+one on 1024 ranks (small buckets make every call mostly latency).
 """
 
 from __future__ import annotations
 
-from evenzero.plan import BACKWARD, STEP, Bucket, Collective, Plan, Slot, align_up
+from evenzero.plan import (
+    BACKWARD,
+    Bucket,
+    Collective,
+    Execution,
+    Plan,
+    Slot,
+    align_up,
+    step_check,
+)
 from evenzero.spec import DTYPE_BYTES, ModelSpec
 from evenzero.strategies.common import (
     PlanOptions,
@@ -22,23 +36,6 @@ from evenzero.strategies.common import (
     group_infos,
     message_itemsize,
 )
-
-DEFAULT_MIN_BUCKET = 32 * 2**20
-"""Default bucket floor, in elements (128 MiB of fp32 gradients, 64 MiB in bf16).
-
-Why: a reduce-scatter is bandwidth-bound once each rank's chunk is a few MiB. At 32M
-elements an 8-GPU NVLink ring spends ~3% of the call in latency (11 us of ~350 us).
-Smaller buckets overlap better with backward but pay a latency per call; larger ones
-delay the first reduction and raise the memory of the two buckets in flight."""
-MIN_CHUNK = 2**20
-"""Like Megatron, the bucket grows with the group so each rank's chunk stays >= 1M
-elements: on a 128-rank InfiniBand ring (alpha ~200 us) a 32M bucket would make every
-call a third latency, and the per-bucket step all-gathers would pay it again
-(`evenzero plan gpt2-xl --world-size 128`: 49 calls per phase at 32M, 12 at 128M)."""
-
-
-def default_bucket_numel(group_size: int) -> int:
-    return max(DEFAULT_MIN_BUCKET, MIN_CHUNK * group_size)
 
 
 def cut_buckets(names: list[str], numel: dict[str, int], limit: int) -> list[list[str]]:
@@ -58,7 +55,21 @@ def cut_buckets(names: list[str], numel: dict[str, int], limit: int) -> list[lis
 
 
 def plan_evenzero(spec: ModelSpec, world_size: int, options: PlanOptions | None = None) -> Plan:
+    """evenzero's plan. Without a fixed `bucket_numel` (None or "auto") the bucket size is
+    the one with the shortest predicted step (`evenzero.cost.autobucket`), and the plan's
+    notes say which and why."""
     options = options or PlanOptions()
+    if options.fixed_bucket_numel is None:
+        check_has_params(spec)
+        # Imported here: the cost package imports the planners.
+        from evenzero.cost.autobucket import plan_auto
+
+        return plan_auto(spec, world_size, options)
+    return plan_fixed(spec, world_size, options)
+
+
+def plan_fixed(spec: ModelSpec, world_size: int, options: PlanOptions) -> Plan:
+    """evenzero's plan with buckets of at most `options.bucket_numel` elements."""
     check_has_params(spec)
     infos = group_infos(spec, world_size)
     numel = {p.name: p.numel for p in spec.params}
@@ -69,7 +80,7 @@ def plan_evenzero(spec: ModelSpec, world_size: int, options: PlanOptions | None 
         order = [n for n in arrived + missing if numel[n] > 0]
         dtype = group_dtype(spec, g.name)
         align_elems = max(1, options.alignment_bytes // DTYPE_BYTES[dtype])
-        limit = options.bucket_numel or default_bucket_numel(g.size)
+        limit = options.fixed_bucket_numel
         for i, names in enumerate(cut_buckets(order, numel, limit)):
             slots, off = [], 0
             for n in names:
@@ -81,17 +92,15 @@ def plan_evenzero(spec: ModelSpec, world_size: int, options: PlanOptions | None 
                          f"laid out last and reduced as zeros")
     ordered = completion_order(spec, buckets)
     size = {g.name: g.size for g in infos}
+    itemsize = {g.name: message_itemsize(spec, g.name, options) for g in infos}
     backward = [Collective(BACKWARD, "reduce_scatter", b.group, size[b.group], None, b.index, 0,
-                           b.numel, itemsize=message_itemsize(spec, b.group, options))
-                for b in ordered]
+                           b.numel, itemsize=itemsize[b.group]) for b in ordered]
     step = [grad_check(spec, world_size)] + all_gathers(spec, infos, list(reversed(ordered)))
     return Plan("evenzero", world_size, infos, tuple(ordered), tuple(ordered),
-                tuple(backward + step), spec.arrival_order, tuple(notes))
+                tuple(backward + step), spec.arrival_order, tuple(notes),
+                execution=Execution(max_in_flight=options.max_buckets_in_flight))
 
 
 def grad_check(spec: ModelSpec, world_size: int) -> Collective:
-    """The step's one small all-reduce: global grad norm, overflow flag, a presence bit per
-    parameter (a gradient that exists on some ranks only is caught by name) and a flag for
-    problems one rank found in backward (so every rank raises, none waits)."""
-    return Collective(STEP, "all_reduce", "world", world_size, None, None, 0,
-                      len(spec.params) + 3, itemsize=4)
+    """The step's one small all-reduce (`evenzero.plan.step_check`)."""
+    return step_check(world_size, len(spec.params))

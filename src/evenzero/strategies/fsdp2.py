@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from evenzero.plan import BACKWARD, STEP, Bucket, Collective, GroupInfo, Plan, Slot
+from evenzero.plan import BACKWARD, STEP, Bucket, Collective, Execution, GroupInfo, Plan, Slot
 from evenzero.spec import DTYPE_BYTES, ModelSpec, ParamSpec
 from evenzero.strategies.common import (
     PlanOptions,
@@ -134,7 +134,15 @@ def plan_fsdp2(spec: ModelSpec, world_size: int, options: PlanOptions | None = N
     step = [Collective(STEP, "all_gather", b.group, size[b.group], None, b.index, 0, b.numel,
                        itemsize=DTYPE_BYTES[group_dtype(spec, b.group)]) for b in forward]
     return Plan("fsdp2", world_size, infos, tuple(issued), tuple(layouts),
-                tuple(backward + step), spec.arrival_order, tuple(notes(spec, layouts, options)))
+                tuple(backward + step), spec.arrival_order, tuple(notes(spec, layouts, options)),
+                execution=EXECUTION)
+
+
+EXECUTION = Execution(max_in_flight=1, launch_in_order=False, copies_grads=True,
+                      missing_grads_hold_bucket=False, gather_in_forward=True)
+"""A unit's post-backward waits for the previous unit's reduce-scatter before issuing its
+own (one in flight), after `_chunk_cat` copies the gradients in; units reduce only the
+gradients they got; parameters are all-gathered in the next forward."""
 
 
 def notes(spec: ModelSpec, layouts: list[Bucket], options: PlanOptions) -> list[str]:
@@ -148,6 +156,6 @@ def notes(spec: ModelSpec, layouts: list[Bucket], options: PlanOptions) -> list[
                    f"their unit's reduce-scatter")
     if options.round_robin:
         out.append("round_robin applies to DeepSpeed only; ignored")
-    if options.bucket_numel:
+    if options.fixed_bucket_numel:
         out.append("bucket size ignored: FSDP2 reduces one unit (wrapped module) per call")
     return out

@@ -1,4 +1,9 @@
-"""Megatron-core DDP with the distributed optimizer (shared/reference/peers.md §1).
+"""Megatron-core DDP with the distributed optimizer.
+
+Source: NVIDIA/Megatron-LM at commit d98e8a64, megatron/core/distributed/
+param_and_grad_buffer.py (`_ParamAndGradBuffer`, `_ParamAndGradBucketGroup.start_grad_sync`),
+megatron/core/optimizer/distrib_optimizer.py (`_build_model_gbuf_range`) and
+megatron/core/distributed/distributed_data_parallel.py (the bucket size).
 
 Per buffer (one per param group here: dense, and experts on their expert-DP group):
 
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import math
 
-from evenzero.plan import BACKWARD, Bucket, Collective, GroupInfo, Plan, Slot, align_up
+from evenzero.plan import BACKWARD, Bucket, Collective, Execution, GroupInfo, Plan, Slot, align_up
 from evenzero.spec import ModelSpec
 from evenzero.strategies.common import (
     PlanOptions,
@@ -75,7 +80,7 @@ def plan_megatron(spec: ModelSpec, world_size: int, options: PlanOptions | None 
     notes = ["gradient buffer stays full-size on every rank (ZeRO-1 gradient memory); "
              "only optimizer state is sharded"]
     for info in infos:
-        limit = options.bucket_numel or default_bucket_numel(info.size)
+        limit = options.fixed_bucket_numel or default_bucket_numel(info.size)
         buckets += group_buffer(spec, info, limit)
     arrived = set(spec.arrival_order)
     missing = [p.name for p in spec.params if p.name not in arrived]
@@ -92,4 +97,9 @@ def plan_megatron(spec: ModelSpec, world_size: int, options: PlanOptions | None 
     # start_param_sync walks the bucket groups in buffer order, dense before expert.
     step = all_gathers(spec, infos, buckets)
     return Plan("megatron", world_size, infos, tuple(ordered), tuple(buckets),
-                tuple(backward + step), spec.arrival_order, tuple(notes))
+                tuple(backward + step), spec.arrival_order, tuple(notes), execution=EXECUTION)
+
+
+EXECUTION = Execution(max_in_flight=None, launch_in_order=False, copies_grads=False)
+"""`register_grad_ready` starts a bucket's reduce-scatter as soon as it is complete, async
+on the communicator's stream; gradients accumulate into the bucket's buffer in place."""

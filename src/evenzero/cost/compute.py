@@ -1,0 +1,254 @@
+"""Compute time of one training step on one rank, for the timeline.
+
+The timeline (`evenzero.cost.timeline`) needs a `ComputeProfile`: the backward compute
+that ends with each parameter's gradient, in arrival order, and the forward compute.
+It comes from one of two places:
+
+* FLOPs and bytes (`estimate_profile`), for presets and JSON specs at plan time. Each
+  parameter's layer is costed as the slower of its arithmetic at the device's matmul
+  throughput and its memory traffic at the device's bandwidth (a roofline), for the
+  tokens it processes (`ModelSpec.tokens` x `ParamSpec.token_share`):
+
+  | layer | backward FLOPs | elements moved |
+  |---|---|---|
+  | linear `[out, in]` | 4 t numel (dX = dY W and dW = dY^T X, 2 t numel each) | 2 numel + t (2 in + out) |
+  | embedding `[rows, dim]` | t dim (scatter-add of t rows) | numel + 2 t dim (zeroed table, rows read and added) |
+  | elementwise (norm, bias) | 8 t numel | 2 numel + 3 t numel |
+
+  plus `ParamSpec.extra_backward_flops_per_token` (attention's products). Forward is
+  charged half of backward per layer (one product instead of two; the usual 1:2 rule).
+* Times the runtime measured (`profile_from_times`, `profile_from_arrivals`): seconds
+  per parameter, or the timestamps of the gradient hooks in a backward that reduced
+  nothing (evenzero's first backward only records the arrival order).
+
+`DeviceCompute` holds the throughput figures; a `CostModel` carries one (presets from
+datasheets, `evenzero calibrate` from measurements).
+
+Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from evenzero.spec import ModelSpec, ParamSpec
+
+DEFAULT_TOKENS = 4096
+"""Tokens per micro-batch assumed for a spec that gives none (one 4K-token sequence)."""
+FORWARD_SHARE = 0.5
+"""Forward compute as a fraction of backward: one matmul per layer instead of two."""
+
+
+@dataclass(frozen=True)
+class DeviceCompute:
+    """What one rank computes per second."""
+
+    name: str
+    """Label shown in reports."""
+    tflops: float
+    """Sustained matmul throughput of one rank, TFLOP/s (1e12 FLOP/s)."""
+    memory_gbs: float
+    """Sustained memory bandwidth of one rank, GB/s (1e9 B/s): memory-bound layers,
+    copies of gradients into buckets, the optimizer step."""
+    optimizer_bytes_per_element: float = 28.0
+    """Bytes the optimizer step moves per element it updates. Fused AdamW reads the
+    fp32 master, gradient and both moments and writes master and moments: 7 x 4 bytes.
+    torch's foreach AdamW on CPU makes several passes; calibration measures it."""
+    comm_slowdown: float = 0.0
+    """While a collective is in progress compute runs 1 / (1 + this) as fast. 0 where
+    communication has its own engines; on CPU, gloo's threads share the cores."""
+    sources: str = ""
+    """Where the numbers come from."""
+
+    def __post_init__(self) -> None:
+        for f in ("tflops", "memory_gbs", "optimizer_bytes_per_element"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{f} must be a positive number, got {v!r}")
+        s = self.comm_slowdown
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not s >= 0:
+            raise ValueError(f"comm_slowdown must be a non-negative number, got {s!r}")
+
+    def seconds(self, flops: float, nbytes: float) -> float:
+        """Roofline: the slower of the arithmetic and the memory traffic."""
+        return max(flops / (self.tflops * 1e12), nbytes / (self.memory_gbs * 1e9))
+
+    def copy_seconds(self, nbytes: float) -> float:
+        """One copy of `nbytes` (read once, written once)."""
+        return 2 * nbytes / (self.memory_gbs * 1e9)
+
+    def optimizer_seconds(self, elements: int) -> float:
+        """One optimizer step over `elements` master elements."""
+        return elements * self.optimizer_bytes_per_element / (self.memory_gbs * 1e9)
+
+    def with_param(self, key: str, raw: Any) -> DeviceCompute:
+        """A copy with one numeric field set from text (`--cost-param compute.tflops=50`)."""
+        names = [f.name for f in fields(self) if f.name not in ("name", "sources")]
+        if key not in names:
+            raise ValueError(f"compute field {key!r} is not one of {', '.join(names)}")
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"{raw!r} is not a number") from None
+        return replace(self, **{key: value})
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> DeviceCompute:
+        if not isinstance(data, Mapping):
+            raise ValueError("expected an object")
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown key(s) {sorted(unknown)}")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ValueError(str(e)) from None
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    """One rank's compute in one training step, as the timeline plays it."""
+
+    backward: tuple[tuple[str, float], ...]
+    """(parameter, seconds of backward compute that ends when its gradient is ready),
+    in gradient-arrival order. Parameters that produce no gradient are absent."""
+    forward_s: float
+    """Forward compute, seconds."""
+    tail_s: float = 0.0
+    """Backward compute after the last gradient (e.g. the input's gradient)."""
+    source: str = ""
+    """One line on where the times come from, for reports."""
+
+    def __post_init__(self) -> None:
+        if any(not t >= 0 for _, t in self.backward) or not self.forward_s >= 0 \
+                or not self.tail_s >= 0:
+            raise ValueError("compute times must be non-negative seconds")
+
+    @property
+    def backward_s(self) -> float:
+        return sum(t for _, t in self.backward) + self.tail_s
+
+
+# --------------------------------------------------------------------------- FLOPs
+
+
+def layer_kind(p: ParamSpec) -> str:
+    """`p.layer`, or inferred from the shape: 2-D or more is a matmul weight."""
+    if p.layer:
+        return p.layer
+    return "linear" if len(p.shape) >= 2 else "elementwise"
+
+
+def backward_work(p: ParamSpec, tokens: float) -> tuple[float, float]:
+    """(FLOPs, bytes) of the backward of `p`'s layer over `tokens` tokens (module doc)."""
+    n = p.numel
+    t = tokens * p.token_share
+    kind = layer_kind(p)
+    if n == 0:
+        flops, moved = 0.0, 0.0
+    elif kind == "linear":
+        rows = p.shape[0]
+        cols = n // rows
+        flops, moved = 4.0 * t * n, 2.0 * n + t * (2 * cols + rows)
+    elif kind == "embedding":
+        dim = n // p.shape[0] if p.shape and p.shape[0] else n
+        flops, moved = t * dim, n + 2.0 * t * dim
+    else:
+        flops, moved = 8.0 * t * n, 2.0 * n + 3.0 * t * n
+    return flops + tokens * p.extra_backward_flops_per_token, moved * p.itemsize
+
+
+def estimate_profile(spec: ModelSpec, device: DeviceCompute,
+                     tokens: int | None = None) -> ComputeProfile:
+    """Compute times from FLOPs and bytes: `tokens`, else the spec's, else DEFAULT_TOKENS."""
+    t = tokens or spec.tokens
+    assumed = t is None
+    t = t or DEFAULT_TOKENS
+    backward = []
+    forward = 0.0
+    for name in spec.arrival_order:
+        seconds = device.seconds(*backward_work(spec.param(name), t))
+        backward.append((name, seconds))
+        forward += FORWARD_SHARE * seconds
+    # Layers whose parameters produce no gradient still run forward.
+    arrived = set(spec.arrival_order)
+    forward += sum(FORWARD_SHARE * device.seconds(*backward_work(p, t))
+                   for p in spec.params if p.name not in arrived)
+    where = (f"{t:,} tokens per micro-batch (assumed: the model gives none; set tokens)"
+             if assumed else f"{t:,} tokens per micro-batch")
+    return ComputeProfile(tuple(backward), forward, 0.0,
+                          f"FLOPs estimate, {where}, on {device.name}")
+
+
+# --------------------------------------------------------------------------- measured
+
+
+def profile_from_times(spec: ModelSpec, seconds: Mapping[str, float],
+                       forward_s: float | None = None, tail_s: float = 0.0,
+                       source: str = "measured") -> ComputeProfile:
+    """A profile from `{param_name: seconds of backward compute ending with its gradient}`.
+
+    The order is the spec's arrival order; a name the mapping lacks gets 0 s, a name the
+    spec lacks is an error (the model changed?). `forward_s` defaults to
+    `FORWARD_SHARE` x backward."""
+    unknown = sorted(set(seconds) - {p.name for p in spec.params})
+    if unknown:
+        raise ValueError(f"compute times name parameters the model does not have: {unknown[:3]}")
+    backward = tuple((n, float(seconds.get(n, 0.0))) for n in spec.arrival_order)
+    total = sum(t for _, t in backward) + tail_s
+    return ComputeProfile(backward, FORWARD_SHARE * total if forward_s is None else forward_s,
+                          tail_s, source)
+
+
+def profile_from_arrivals(events: Sequence[tuple[str, float]], backward_start: float,
+                          backward_end: float | None = None, forward_s: float | None = None,
+                          source: str = "measured gradient arrivals") -> ComputeProfile:
+    """A profile from gradient-hook timestamps of one backward that reduced nothing.
+
+    `events` are (parameter, time) in the order the hooks fired, e.g. from
+    `register_post_accumulate_grad_hook` with `time.perf_counter()`; `backward_start` is
+    when backward began (the loss's `backward()` call), `backward_end` when it returned.
+    Each parameter is charged the time since the previous hook. A parameter seen twice
+    keeps its first arrival (its later accumulations are part of the next interval)."""
+    backward = []
+    seen: set[str] = set()
+    last = backward_start
+    for name, t in events:
+        if t < last:
+            raise ValueError(f"arrival of {name!r} at {t} is before the previous event at "
+                             f"{last}; pass events in the order the hooks fired")
+        if name in seen:
+            continue
+        seen.add(name)
+        backward.append((name, t - last))
+        last = t
+    tail = max(0.0, backward_end - last) if backward_end is not None else 0.0
+    total = sum(t for _, t in backward) + tail
+    return ComputeProfile(tuple(backward), FORWARD_SHARE * total if forward_s is None else forward_s,
+                          tail, source)
+
+
+def median_profile(profiles: Iterable[ComputeProfile]) -> ComputeProfile:
+    """Per-parameter median of several profiles of the same arrival order (several
+    backwards), so one noisy backward does not decide."""
+    from statistics import median
+
+    ps = list(profiles)
+    if not ps:
+        raise ValueError("median_profile needs at least one profile")
+    order = [n for n, _ in ps[0].backward]
+    if any([n for n, _ in p.backward] != order for p in ps[1:]):
+        raise ValueError("profiles differ in arrival order; take the median of like backwards")
+    backward = tuple((n, median(p.backward[i][1] for p in ps)) for i, n in enumerate(order))
+    return ComputeProfile(backward, median(p.forward_s for p in ps),
+                          median(p.tail_s for p in ps), f"{ps[0].source}, median of {len(ps)}")
+
+
+__all__ = ["DEFAULT_TOKENS", "FORWARD_SHARE", "ComputeProfile", "DeviceCompute", "backward_work",
+           "estimate_profile", "layer_kind", "median_profile", "profile_from_arrivals",
+           "profile_from_times"]

@@ -1,0 +1,315 @@
+"""The timeline of one training step: compute and communication on two lanes per rank.
+
+`evenzero.cost.predict` prices each collective as if nothing else ran. What a user
+waits for is the step: forward, backward with the reductions hidden behind it as far as
+the strategy's runtime lets them, the end-of-backward flush, the step's collectives and
+the optimizer. `simulate` plays a plan's collectives against a `ComputeProfile`:
+
+* compute lane: forward; backward in gradient-arrival order; copies of gradients into
+  communication buffers; waits; the optimizer step;
+* comm lane: the plan's collectives one at a time, in launch order (NCCL runs a
+  communicator's calls in issue order on its stream; gloo queues them per group). While
+  a collective runs, compute slows by `DeviceCompute.comm_slowdown`.
+
+The rules come from the plan (`Plan.execution`), never from the strategy's name:
+
+* A bucket is complete when its last gradient has arrived (with
+  `missing_grads_hold_bucket`, a parameter that never produces one holds it back until
+  the flush). Its backward collectives are the consecutive calls that read it.
+* Launch: when complete (`launch_in_order=False`) or once it and every bucket before it
+  in plan order are complete (True: a complete bucket waits behind an incomplete one).
+  With `max_in_flight` buckets outstanding, compute waits for the oldest first (the
+  reducer's hook blocks; on a GPU the compute stream waits); 0 means every launch is
+  waited for at once. `copies_grads` charges one copy of the bucket on the compute lane.
+* End of backward: every bucket not launched yet is launched in plan order (the flush),
+  then all are waited for.
+* Step: its all-reduces (norm, overflow, presence bits) come before the optimizer,
+  which needs them; its all-gathers carry the updated parameters, so they follow it,
+  and the step waits for them, unless `gather_in_forward`: then each is waited for in
+  the next forward just before its share of forward compute, the next one prefetched.
+
+Every rank runs the same schedule, and expert groups run their calls at the same time
+on disjoint ranks, so one rank's two lanes are the whole story. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from evenzero.cost import CostModel, CostModelError
+from evenzero.cost.compute import ComputeProfile, DeviceCompute
+from evenzero.plan import BACKWARD, Bucket, Collective, Execution, Plan
+
+COMPUTE = "compute"
+COMM = "comm"
+_EPS = 1e-15
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One interval on one lane."""
+
+    lane: str
+    """COMPUTE or COMM."""
+    kind: str
+    """forward, backward, copy, wait, optimizer; or the collective's op on the comm lane."""
+    start: float
+    """Seconds since the step began."""
+    end: float
+    label: str = ""
+    """Collective: op, group, bucket and size; compute: what ran."""
+    phase: str = ""
+    """Comm lane: the collective's plan phase (backward, step)."""
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The predicted step of one plan on one cost model and compute profile."""
+
+    strategy: str
+    cost_model: str
+    compute_source: str
+    """Where the compute times came from (`ComputeProfile.source`)."""
+    segments: tuple[Segment, ...]
+    forward_end_s: float
+    """When forward (and the gathers it waits for) ended."""
+    backward_end_s: float
+    """When backward compute and every backward reduction had finished."""
+    total_s: float
+    """The step: forward + backward + flush + step collectives + optimizer."""
+    compute_s: float
+    """Compute work alone (forward, backward, copies, optimizer), without waits."""
+    comm_s: float
+    """Time the comm lane was busy."""
+    backward_comm_s: float
+    """Comm lane time of the backward collectives."""
+
+    @property
+    def backward_s(self) -> float:
+        """From backward start until its last reduction is done."""
+        return self.backward_end_s - self.forward_end_s
+
+    @property
+    def step_phase_s(self) -> float:
+        """After backward: step collectives and the optimizer."""
+        return self.total_s - self.backward_end_s
+
+    @property
+    def exposed_comm_s(self) -> float:
+        """What communication adds to the step: total minus compute alone."""
+        return max(0.0, self.total_s - self.compute_s)
+
+    @property
+    def hidden_comm_s(self) -> float:
+        """Communication that ran while compute ran."""
+        return max(0.0, self.comm_s - self.exposed_comm_s)
+
+
+class _Lanes:
+    """A compute lane that runs work and waits, and a FIFO comm lane that runs beside it."""
+
+    def __init__(self, cost: CostModel, slowdown: float) -> None:
+        self.cost, self.slowdown = cost, slowdown
+        self.now = 0.0
+        self.queue: deque[tuple[int, Collective]] = deque()
+        self.current: list | None = None  # [id, remaining, start, collective]
+        self.done: dict[int, float] = {}
+        self.segments: list[Segment] = []
+        self.work = 0.0
+        self.ids = 0
+
+    def launch(self, c: Collective) -> int:
+        self.ids += 1
+        self.queue.append((self.ids, c))
+        self._start_next()
+        return self.ids
+
+    def _start_next(self) -> None:
+        while self.current is None and self.queue:
+            cid, c = self.queue.popleft()
+            self.current = [cid, self.cost.time(c.op, c.group_size, c.nbytes), self.now, c]
+            if self.current[1] <= _EPS:
+                self._finish()
+
+    def _finish(self) -> None:
+        cid, _, start, c = self.current
+        self.current = None
+        self.done[cid] = self.now
+        self.segments.append(Segment(COMM, c.op, start, self.now, _label(c), c.phase))
+        self._start_next()
+
+    def compute(self, seconds: float, kind: str, label: str = "") -> None:
+        """Run `seconds` of compute work; slower while a collective is in progress."""
+        if seconds <= 0:
+            return
+        start, left = self.now, seconds
+        self.work += seconds
+        rate = 1.0 / (1.0 + self.slowdown)
+        while left > _EPS:
+            if self.current is None:
+                self.now += left
+                break
+            dt = min(self.current[1], left / rate)
+            self.now += dt
+            left -= dt * rate
+            self.current[1] -= dt
+            if self.current[1] <= _EPS:
+                self._finish()
+        self.segments.append(Segment(COMPUTE, kind, start, self.now, label))
+
+    def wait(self, ids: list[int], label: str = "") -> None:
+        """Block compute until every collective in `ids` has finished."""
+        start = self.now
+        while any(i not in self.done for i in ids):
+            self.now += self.current[1]
+            self.current[1] = 0.0
+            self._finish()
+        if self.now > start:
+            self.segments.append(Segment(COMPUTE, "wait", start, self.now, label))
+
+
+def _label(c: Collective) -> str:
+    where = c.group if c.bucket is None else f"{c.group}[{c.bucket}]"
+    return f"{c.op} {where} {c.numel:,} x{c.itemsize}B on {c.group_size}"
+
+
+@dataclass
+class _Unit:
+    """The backward collectives that read one bucket, consecutive in plan order."""
+
+    bucket: Bucket | None
+    calls: list[Collective]
+    ready: float  # arrival index after which it is complete; inf: only at the flush
+    ids: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.calls)
+
+
+def _units(plan: Plan, position: dict[str, int], execution: Execution) -> list[_Unit]:
+    by_key = {(b.group, b.index): b for b in plan.buckets}
+    # A bucket that spans param groups (DeepSpeed's IPG buffer) carries a label no group
+    # has; its calls name their own group, so it is found by index.
+    groups = {g.name for g in plan.groups}
+    shared = {b.index: b for b in plan.buckets if b.group not in groups}
+    units: list[_Unit] = []
+    for c in plan.backward():
+        bucket = by_key.get((c.group, c.bucket)) or shared.get(c.bucket)
+        if units and bucket is not None and units[-1].bucket is bucket:
+            units[-1].calls.append(c)
+            continue
+        units.append(_Unit(bucket, [c], _ready(bucket, position, execution), []))
+    return units
+
+
+def _ready(bucket: Bucket | None, position: dict[str, int], execution: Execution) -> float:
+    if bucket is None:
+        return float("inf")
+    arrived = [position[s.name] for s in bucket.params if s.name in position]
+    if execution.missing_grads_hold_bucket and len(arrived) < len(bucket.params):
+        return float("inf")
+    return max(arrived, default=-1)
+
+
+def optimizer_elements(plan: Plan) -> int:
+    """Master elements one rank's optimizer updates: its shards, or everything (DDP)."""
+    if plan.sharded:
+        return sum(plan.shard_numel(g.name) for g in plan.groups)
+    return sum(g.numel for g in plan.groups)
+
+
+def device_for(cost: CostModel) -> DeviceCompute:
+    if cost.compute is None:
+        raise CostModelError(f"cost model {cost.name} has no compute figures, which the timeline "
+                             f"needs; use a preset, or re-run `evenzero calibrate` (it measures them)")
+    return cost.compute
+
+
+def simulate(plan: Plan, cost: CostModel, profile: ComputeProfile,
+             execution: Execution | None = None, device: DeviceCompute | None = None) -> Timeline:
+    """Play one step of `plan`. `execution` overrides `plan.execution` (e.g. the runtime's
+    `max_buckets_in_flight`); `device` overrides `cost.compute`."""
+    ex = execution or plan.execution
+    dev = device or device_for(cost)
+    lanes = _Lanes(cost, dev.comm_slowdown)
+    gathers = [c for c in plan.step() if c.op == "all_gather"]
+    before_optimizer = [c for c in plan.step() if c.op != "all_gather"]
+
+    # Forward, with last step's all-gathers when they belong to it.
+    if ex.gather_in_forward and gathers:
+        total = sum(c.numel for c in gathers) or 1
+        ids = [lanes.launch(gathers[0])]
+        for i, c in enumerate(gathers):
+            if i + 1 < len(gathers):
+                ids.append(lanes.launch(gathers[i + 1]))
+            lanes.wait([ids[i]], f"forward needs {_label(c)}")
+            lanes.compute(profile.forward_s * c.numel / total, "forward")
+        gathers = []
+    else:
+        lanes.compute(profile.forward_s, "forward")
+    forward_end = lanes.now
+
+    # Backward: compute in arrival order, buckets launched per the plan's rules.
+    position = {name: i for i, (name, _) in enumerate(profile.backward)}
+    units = _units(plan, position, ex)
+    launched = [False] * len(units)
+    inflight: deque[_Unit] = deque()
+    by_ready: dict[float, list[int]] = {}
+    for i, u in enumerate(units):
+        by_ready.setdefault(u.ready, []).append(i)
+    cursor = 0
+
+    def launch(i: int) -> None:
+        u = units[i]
+        limit = ex.max_in_flight
+        while limit and len(inflight) >= limit:
+            oldest = inflight.popleft()
+            lanes.wait(oldest.ids, f"bucket limit {limit}")
+        if ex.copies_grads:
+            lanes.compute(dev.copy_seconds(u.nbytes), "copy", "gradients into bucket")
+        u.ids = [lanes.launch(c) for c in u.calls]
+        launched[i] = True
+        if limit == 0:
+            lanes.wait(u.ids, "reduction blocks compute")
+        else:
+            inflight.append(u)
+
+    def launch_ready(step: float) -> None:
+        nonlocal cursor
+        if ex.launch_in_order:
+            while cursor < len(units) and units[cursor].ready <= step:
+                launch(cursor)
+                cursor += 1
+        else:
+            for i in by_ready.get(step, ()):
+                launch(i)
+
+    launch_ready(-1)
+    for i, (name, seconds) in enumerate(profile.backward):
+        lanes.compute(seconds, "backward", name)
+        launch_ready(i)
+    lanes.compute(profile.tail_s, "backward", "after the last gradient")
+    for i in range(len(units)):  # the end-of-backward flush
+        if not launched[i]:
+            launch(i)
+    lanes.wait([x for u in units for x in u.ids], "end of backward")
+    backward_end = lanes.now
+
+    # Step: what the optimizer needs, the optimizer, then the parameter all-gathers.
+    for c in before_optimizer:
+        lanes.wait([lanes.launch(c)], "step needs it")
+    lanes.compute(dev.optimizer_seconds(optimizer_elements(plan)), "optimizer")
+    if gathers:
+        lanes.wait([lanes.launch(c) for c in gathers], "parameters gathered")
+
+    comm = [s for s in lanes.segments if s.lane == COMM]
+    return Timeline(plan.strategy, cost.name, profile.source, tuple(lanes.segments),
+                    forward_end, backward_end, lanes.now, lanes.work,
+                    sum(s.end - s.start for s in comm),
+                    sum(s.end - s.start for s in comm if s.phase == BACKWARD))
+
+
+__all__ = ["COMM", "COMPUTE", "Segment", "Timeline", "device_for", "optimizer_elements",
+           "simulate"]

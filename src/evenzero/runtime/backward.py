@@ -1,0 +1,186 @@
+"""The optimizer's backward side: what the hooks report, and recovery from a backward
+that raised.
+
+`BackwardSide` is a mixin of `ZeroOptimizer` (one object, so the hooks can hold it
+weakly and `del opt` frees it at once). It reacts to the hooks (`_on_forward`,
+`_on_backward_start`, `_on_grad`, `_on_backward_end`), moves the `Lifecycle` and, at the
+end of each synced backward, finishes the bucket reductions.
+
+A backward that raised on one rank only is the hard case: the other ranks finished
+theirs and wait in their bucket collectives, or in the step check that follows. The
+rank that raised settles it the next time it is called (`zero_grad()`, `step()`,
+`clip_grad_norm_()` or the next forward): it drops its partial gradients and issues
+every collective the others' backward and step check issue (zeros for its buckets,
+the problem flag for the check), so all ranks meet, every rank learns that this step
+is void, and zero_grad() lets everyone go on.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from evenzero.plan import Plan
+from evenzero.runtime.checks import ZeroRuntimeError, backward_problems
+from evenzero.runtime.collectives import broadcast
+from evenzero.runtime.gradstats import GradStats
+from evenzero.runtime.lifecycle import TrainingState
+from evenzero.runtime.setup import make_plan
+from evenzero.runtime.teardown import KEEPER
+
+if TYPE_CHECKING:
+    from evenzero.runtime.optimizer import ZeroOptimizer
+
+REMOTE_PROBLEM = ("{n} other rank(s) found a problem in this step (in their backward, a "
+                  "backward that raised there, or gradients they discarded with zero_grad() "
+                  "before step()) and raised it; see their error. This step is void on every "
+                  "rank: call zero_grad() and go on")
+
+
+class BackwardSide:
+    """Hook reactions and backward recovery; mixed into `ZeroOptimizer`."""
+
+    # ------------------------------------------------------------------ hooks
+
+    def _backward_running(self: ZeroOptimizer) -> bool:
+        return self._life.state is TrainingState.BACKWARD
+
+    def _on_forward(self: ZeroOptimizer) -> None:
+        if self._life.is_dead_backward():
+            self._recover()
+
+    def _on_backward_start(self: ZeroOptimizer) -> None:
+        if self._life.is_dead_backward():
+            # No forward through the module and no zero_grad() since the backward that
+            # raised: its partial gradients may already sit in this backward's first
+            # `.grad`, so this step cannot be trusted either.
+            problem = self._recover()
+            self._life.note_problem(f"{problem}; the backward after it ran without a "
+                                    f"zero_grad() or a forward in between")
+        KEEPER.new_batch()
+        self._life.begin_backward()
+        # Layouts no forward pre-hook waited for; a gradient for one of their parameters
+        # means the parameter was read while its gather could still be running.
+        self._life.record.stale_layouts = set(self._prefetch.pending)
+        self._prefetch.wait_all()
+
+    def _on_grad(self: ZeroOptimizer, name: str) -> None:
+        life = self._life
+        rec = life.record
+        rec.presence[self._index[name]] = 1.0
+        if rec.stale_layouts and self._prefetch.layout_of(name) in rec.stale_layouts:
+            rec.read_early.append(name)
+        if life.backward_synced and not life.measuring:
+            self._reducer.grad_ready(name)
+
+    def _on_backward_end(self: ZeroOptimizer) -> None:
+        self._end_backward(aborted=False)
+
+    # ------------------------------------------------------------------ backward end
+
+    def _end_backward(self: ZeroOptimizer, aborted: bool) -> None:
+        """Every collective a backward's end issues, on every rank alike."""
+        life = self._life
+        life.record.stale_layouts = set()
+        if life.measuring:
+            life.measuring = False
+            order = self._hooks.take_arrival() or []
+            # A backward that raised measured only part of the order: send none, so
+            # everyone keeps the assumed order and measures the next backward.
+            self._adopt_arrival([] if aborted else order)
+        if life.backward_synced:
+            problems = self._reducer.finish_grad_sync()
+            problems += backward_problems(life.record.read_early, self._module, self._managed)
+            life.record.read_early = []
+            # Raised at the step check, on every rank: raising here, on this rank only,
+            # would leave the others waiting in that all-reduce.
+            life.note_problem(problems[0] if problems else None)
+        life.end_backward()
+
+    def _adopt_arrival(self: ZeroOptimizer, order: list[str]) -> None:
+        """Agree on rank 0's measured arrival order and re-plan once if it differs."""
+        vec = torch.full((len(self._names) + 1,), -1, dtype=torch.int64,
+                         device=self._setup.control_device)
+        vec[0] = len(order)
+        if order:
+            vec[1:1 + len(order)] = torch.tensor([self._index[n] for n in order])
+        broadcast(vec, 0, self.world_group)
+        values = vec.tolist()
+        order = [self._names[i] for i in values[1:1 + values[0]]]
+        if not order:
+            # Rank 0's backward reached no managed parameter: nothing was measured, so
+            # keep the assumed order and measure the next backward instead.
+            self._life.measuring = True
+            self._hooks.record_arrival()
+            return
+        unchanged = tuple(order) == self.plan.arrival
+        self.spec = self.spec.with_arrival(order, "measured")
+        if unchanged:
+            return
+        plan: Plan = make_plan(self.spec, self.world_size, self.config, self._setup.group_sizes)
+        if plan != self.plan:
+            self._install(plan, previous=self.plan)
+
+    # ------------------------------------------------------------------ recovery
+
+    def _recover(self: ZeroOptimizer) -> str:
+        """Finish a backward that raised on this rank as the other ranks finish theirs,
+        then void the step; returns what happened. Its buckets are reduced as zeros and,
+        if it was synced, the step check runs with this rank's problem flag, so every rank
+        raises at the same collective."""
+        life = self._life
+        problem = (f"the last backward raised on this rank (rank {self.rank}) before it "
+                   f"finished; its gradients were dropped and this step is void on every rank")
+        for p in self.params.values():
+            p.grad = None
+        self._reducer.zero_()
+        life.note_problem(problem)
+        self._end_backward(aborted=True)
+        synced = life.backward_synced
+        if synced:
+            self._run_step_check(raise_problems=False)
+        self._void_step()
+        if not synced:
+            # Nothing was agreed: the other ranks still hold this micro-batch's gradients,
+            # so the next step check must fail on every rank.
+            life.note_problem(problem)
+        return problem
+
+    def _void_step(self: ZeroOptimizer) -> None:
+        """Drop everything this step gathered and start the next one; collectives it
+        issued (a discarded or settled step's) become `trace`."""
+        self._clear_grads()
+        if self._recorder.pending:
+            self._recorder.close_step()
+        self._life.reset()
+
+    def _run_step_check(self: ZeroOptimizer, raise_problems: bool = True) -> GradStats:
+        """The step's one all-reduce; raises what any rank found, on every rank."""
+        life = self._life
+        KEEPER.new_batch()
+        try:
+            stats = self._step_check((st.grad for st in self.groups.values()),
+                                     life.record.presence, self.loss_scaler.scale,
+                                     life.record.problem is not None)
+        except ZeroRuntimeError:
+            life.failed()  # a presence mismatch, raised alike on every rank
+            raise
+        if stats.problem_ranks:
+            problem, life.record.problem = life.record.problem, None
+            life.failed()
+            if raise_problems:
+                raise ZeroRuntimeError(problem or REMOTE_PROBLEM.format(n=stats.problem_ranks))
+            return stats
+        life.checked(stats)
+        return stats
+
+    def _clear_grads(self: ZeroOptimizer) -> None:
+        """Zero the gradient shards (and stage 1's buffers); drop any local `.grad`."""
+        for st in self.groups.values():
+            st.grad.zero_()
+        self._reducer.zero_()
+        held = self._reducer.held_grads()
+        for p in self.params.values():
+            if p.grad is not None and p.grad.data_ptr() not in held:
+                p.grad = None

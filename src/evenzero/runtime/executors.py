@@ -1,0 +1,115 @@
+"""How one bucket's reduced gradients reach this rank's shard: two route executors.
+
+A plan installs one executor per bucket, chosen once from its `BucketRoute`:
+
+* `DirectShardSync`, evenzero's route (and Megatron's): one equal reduce-scatter of the
+  whole bucket, whose output is exactly this rank's slice of its gradient shard, so it
+  is accumulated with one add and no piecewise copies;
+* `ReplaySync`, the replay of a peer's schedule (DeepSpeed's reduces and all-reduces of
+  pieces of a bucket): every planned collective runs as planned, then the pieces this
+  rank owns are accumulated one by one.
+
+The verbs are Megatron-core's (megatron/core/distributed/param_and_grad_buffer.py@d98e8a64,
+`_ParamAndGradBucketGroup.start_grad_sync` / `finish_grad_sync`): `start_grad_sync`
+issues the bucket's collectives and returns what `finish_grad_sync` needs to wait for
+them and accumulate. The gradient is divided by the world size on accumulation, for
+expert groups too, which makes it the gradient of the mean loss over the global batch
+(DeepSpeed divided experts by the expert-DP size: deepspeedai/DeepSpeed#6546).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch.profiler import record_function
+
+from evenzero.runtime.buckets import PoolSlot
+from evenzero.runtime.collectives import PieceCollective, ReduceScatter, TraceRecorder
+from evenzero.runtime.routes import BucketRoute
+from evenzero.runtime.shards import GroupState
+
+
+class RouteExecutor(Protocol):
+    """Issues and completes the reduction of one bucket."""
+
+    route: BucketRoute
+
+    def pool_numel(self) -> int:
+        """Pool elements (reduce dtype) the bucket's collectives allocate."""
+
+    def start_grad_sync(self, bucket: torch.Tensor, slot: PoolSlot, trace: TraceRecorder) -> Any:
+        """Issue the bucket's collectives on `bucket` (its gradients, reduce dtype)."""
+
+    def finish_grad_sync(self, handle: Any, bucket: torch.Tensor, shard: torch.Tensor,
+                         scale: float) -> None:
+        """Wait for them and add this rank's reduced elements, times `scale`, to `shard`."""
+
+
+class DirectShardSync:
+    """One equal reduce-scatter whose output is this rank's shard slice."""
+
+    def __init__(self, route: BucketRoute, group: GroupState, reduce_scatter: ReduceScatter) -> None:
+        if route.direct_shard_offset is None or len(route.collectives) != 1:
+            raise ValueError("DirectShardSync needs a route with a direct shard offset")
+        self.route, self.group, self.rs = route, group, reduce_scatter
+
+    def pool_numel(self) -> int:
+        return self.rs.scratch_numel(self.route.bucket.numel, self.group.size)
+
+    def start_grad_sync(self, bucket: torch.Tensor, slot: PoolSlot, trace: TraceRecorder) -> Any:
+        output = self.rs.allocate(slot, bucket.numel(), self.group.size, bucket.dtype)
+        with record_function("evenzero::launch"):
+            work = self.rs(output, bucket, self.group.process_group)
+        trace.record(self.route.collectives[0], self.rs.name)
+        return work, output
+
+    def finish_grad_sync(self, handle: Any, bucket: torch.Tensor, shard: torch.Tensor,
+                         scale: float) -> None:
+        work, output = handle
+        with record_function("evenzero::wait"):
+            work.wait()
+        with record_function("evenzero::accumulate"):
+            chunk = self.rs.chunk(output, self.group.size, shard.dtype)
+            off = self.route.direct_shard_offset
+            shard[off:off + chunk.numel()].add_(chunk, alpha=scale)
+
+
+class ReplaySync:
+    """A peer's collectives on pieces of the bucket, then the owned pieces one by one."""
+
+    def __init__(self, route: BucketRoute, group: GroupState, reduce_scatter: ReduceScatter) -> None:
+        self.route, self.group = route, group
+        self.calls = [PieceCollective(c, group.rank, reduce_scatter) for c in route.collectives]
+
+    def pool_numel(self) -> int:
+        return sum(call.pool_numel() for call in self.calls)
+
+    def start_grad_sync(self, bucket: torch.Tensor, slot: PoolSlot, trace: TraceRecorder) -> Any:
+        issued = []
+        for call in self.calls:
+            message = call.allocate(slot, bucket)
+            with record_function("evenzero::launch"):
+                work = call(message, self.group.process_group)
+            trace.record(call.planned, call.algorithm)
+            issued.append((call, message, work))
+        return issued
+
+    def finish_grad_sync(self, handle: Any, bucket: torch.Tensor, shard: torch.Tensor,
+                         scale: float) -> None:
+        with record_function("evenzero::wait"):
+            for call, message, work in handle:
+                work.wait()
+                call.finish(message, bucket)
+        with record_function("evenzero::accumulate"):
+            for piece in self.route.owned:
+                shard[piece.shard_offset:piece.shard_offset + piece.numel].add_(
+                    bucket[piece.bucket_offset:piece.bucket_offset + piece.numel], alpha=scale)
+
+
+def executor_for(route: BucketRoute, group: GroupState,
+                 reduce_scatter: ReduceScatter) -> RouteExecutor:
+    """The executor of a route: direct when the route allows it, else the replay."""
+    if route.direct_shard_offset is not None:
+        return DirectShardSync(route, group, reduce_scatter)
+    return ReplaySync(route, group, reduce_scatter)

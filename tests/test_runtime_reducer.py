@@ -1,0 +1,158 @@
+"""The gradient reducer without processes: a fake reduce-scatter records what is issued
+and waited for, so the ordering rules are pinned exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evenzero.runtime.collectives import ReduceScatter, TraceRecorder
+from evenzero.runtime.reducer import GradientReducer, ReducerConfig
+from evenzero.runtime.routes import plan_routes
+from evenzero.runtime.shards import GroupState
+from evenzero.spec import ModelSpec, ParamSpec
+from evenzero.strategies import PlanOptions, plan
+
+NAMES = ("p0", "p1", "p2", "p3")
+
+
+class FakeWork:
+    def __init__(self, log: list, bucket: int, output: torch.Tensor, message: torch.Tensor) -> None:
+        self.log, self.bucket, self.output, self.message = log, bucket, output, message
+
+    def wait(self) -> None:
+        # A one-rank reduce-scatter: this rank's chunk is the whole message.
+        self.output.copy_(self.message)
+        self.log.append(("wait", self.bucket))
+
+
+class FakeReduceScatter(ReduceScatter):
+    """Records every launch; the bucket is told apart by its first element."""
+
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []
+
+    def scratch_numel(self, message_numel: int, group_size: int) -> int:
+        return message_numel
+
+    def __call__(self, output, message, group):
+        bucket = int(message[0].item())
+        self.log.append(("launch", bucket))
+        return FakeWork(self.log, bucket, output, message)
+
+    def chunk(self, output, group_size, sum_dtype):
+        return output.to(sum_dtype)
+
+
+def make_reducer(max_in_flight: int = 2, stage: int = 2):
+    """Four 4-element params on one rank, two per bucket: bucket 0 holds p3, p2 (the
+    assumed arrival order is reverse registration), bucket 1 holds p1, p0."""
+    spec = ModelSpec(tuple(ParamSpec(n, (4,)) for n in NAMES))
+    p = plan(spec, 1, "evenzero", PlanOptions(bucket_numel=8, alignment_bytes=4))
+    assert [[s.name for s in b.params] for b in p.buckets] == [["p3", "p2"], ["p1", "p0"]]
+    params = {n: torch.nn.Parameter(torch.zeros(4)) for n in NAMES}
+    n = p.shard_numel("dense")
+    group = GroupState("dense", None, 1, 0, torch.float32, torch.float32, torch.zeros(n),
+                       torch.zeros(n), {})
+    rs = FakeReduceScatter()
+    trace = TraceRecorder()
+    reducer = GradientReducer(plan_routes(p, {"dense": 0}), params, {"dense": group},
+                              ReducerConfig(stage, 1, max_in_flight, torch.device("cpu"), rs),
+                              trace)
+    return reducer, params, group, rs, trace, p
+
+
+def give_grad(params, name: str) -> None:
+    # Each bucket's first element names the bucket (p3 leads bucket 0, p1 bucket 1).
+    value = {"p3": 0.0, "p1": 1.0}.get(name, 10.0 + NAMES.index(name))
+    params[name].grad = torch.full((4,), value)
+
+
+def test_a_complete_bucket_waits_behind_an_incomplete_one():
+    reducer, params, _, rs, _, _ = make_reducer()
+    for name in ("p1", "p0", "p3"):  # bucket 1 complete, bucket 0 still missing p2
+        give_grad(params, name)
+        reducer.grad_ready(name)
+    assert rs.log == [], "bucket 1 must not go before bucket 0 on any rank"
+    give_grad(params, "p2")
+    reducer.grad_ready("p2")
+    assert rs.log == [("launch", 0), ("launch", 1)]
+    assert reducer.finish_grad_sync() == []
+    assert rs.log[2:] == [("wait", 0), ("wait", 1)]
+
+
+@pytest.mark.parametrize("limit, expected", [
+    (1, [("launch", 0), ("wait", 0), ("launch", 1), ("wait", 1)]),
+    (2, [("launch", 0), ("launch", 1), ("wait", 0), ("wait", 1)]),
+])
+def test_max_buckets_in_flight_bounds_outstanding_buckets(limit, expected):
+    reducer, params, _, rs, _, _ = make_reducer(max_in_flight=limit)
+    for name in ("p3", "p2", "p1", "p0"):
+        give_grad(params, name)
+        reducer.grad_ready(name)
+    reducer.finish_grad_sync()
+    assert rs.log == expected
+    assert reducer.pool.nbytes() == 0, "the pool is freed after backward"
+
+
+def test_reduced_gradients_land_in_the_shard_and_grads_are_dropped():
+    reducer, params, group, _, trace, p = make_reducer()
+    for name in NAMES:
+        give_grad(params, name)
+        reducer.grad_ready(name)
+    assert reducer.finish_grad_sync() == []
+    for r in p.shard_ranges("dense", 0):
+        want = params[r.param].new_full((r.numel,), {"p3": 0.0, "p1": 1.0}.get(
+            r.param, 10.0 + NAMES.index(r.param)))
+        torch.testing.assert_close(group.grad[r.shard_offset:r.shard_offset + r.numel], want)
+    assert all(q.grad is None for q in params.values()), "stage 2 keeps no full gradient"
+    assert tuple(trace.pending) == p.backward()
+    assert {c.algorithm for c in trace.pending} == {"fake"}
+
+
+def test_missing_gradients_are_reduced_as_zeros_at_the_end():
+    reducer, params, group, rs, _, _ = make_reducer()
+    give_grad(params, "p1")
+    reducer.grad_ready("p1")
+    assert reducer.finish_grad_sync() == []
+    # Bucket 0 has no gradient at all and goes first anyway, as zeros.
+    assert [e for e in rs.log if e[0] == "launch"] == [("launch", 0), ("launch", 1)]
+    assert group.grad.abs().sum() == 4.0  # p1's four ones; everything else zero
+
+
+def test_a_late_gradient_is_named_after_the_collectives():
+    reducer, params, _, rs, _, _ = make_reducer()
+    for name in ("p3", "p2"):
+        give_grad(params, name)
+        reducer.grad_ready(name)
+    assert ("launch", 0) in rs.log
+    give_grad(params, "p3")
+    reducer.grad_ready("p3")  # p3 again, after its bucket was launched
+    problems = reducer.finish_grad_sync()
+    assert len(problems) == 1 and "'p3' arrived after its bucket was reduced" in problems[0]
+    assert "use_reentrant=False" in problems[0]
+    assert [e[0] for e in rs.log].count("launch") == 2, "every bucket is still reduced"
+
+
+def test_a_gradient_the_plan_has_no_collective_for_is_named():
+    reducer, params, _, _, _, _ = make_reducer()
+    reducer.grad_ready("not_planned")
+    problems = reducer.finish_grad_sync()
+    assert problems and "'not_planned' arrived, but the plan has no collective" in problems[0]
+
+
+def test_stage1_accumulates_into_persistent_buffers():
+    reducer, params, group, rs, _, _ = make_reducer(stage=1)
+    views = reducer.grad_buffers.views
+    for name in NAMES:
+        give_grad(params, name)
+        reducer.grad_ready(name)
+    reducer.finish_grad_sync()
+    # .grad now views the bucket buffers (zeroed after the reduction) so the next
+    # backward accumulates in place, and the shard holds the reduced values.
+    assert params["p3"].grad.data_ptr() == views[0][0].data_ptr()
+    assert reducer.held_grads() == {v.data_ptr() for vs in views for v in vs}
+    assert group.grad.abs().sum() > 0
+    assert all(b.abs().sum() == 0 for b in reducer.grad_buffers.buffers)

@@ -1,0 +1,210 @@
+"""The step timeline: hand-built plans with known answers, and properties of real plans."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from evenzero.cost import CostModel, OpCost, Variant
+from evenzero.cost.compute import ComputeProfile, DeviceCompute
+from evenzero.cost.presets import PRESETS
+from evenzero.cost.timeline import COMM, COMPUTE, simulate
+from evenzero.model_presets import preset
+from evenzero.plan import BACKWARD, STEP, Bucket, Collective, Execution, GroupInfo, Plan, Slot
+from evenzero.spec import GroupSpec, ModelSpec, ParamSpec
+from evenzero.strategies import STRATEGY_NAMES, PlanOptions, plan
+
+MS = 1e-3
+FAST = DeviceCompute("test", tflops=1.0, memory_gbs=1e12, optimizer_bytes_per_element=1e-6)
+"""Copies and the optimizer cost (next to) nothing, so the answers are in round ms."""
+
+
+def flat_cost(alpha_ms: float, device: DeviceCompute = FAST) -> CostModel:
+    """Every call of every op costs exactly `alpha_ms`, whatever its size."""
+    op = OpCost((Variant("flat", alpha_ms * 1e3, 1e12),))
+    return CostModel("flat", "test", op, op, op, op, compute=device)
+
+
+def tiny_plan(buckets: dict[int, list[str]], execution: Execution, step=()) -> Plan:
+    """Buckets of group "g" (4 ranks), in the given plan order, one reduce-scatter each."""
+    bs = tuple(Bucket("g", i, 4 * len(names), tuple(Slot(n, 4 * k, 4) for k, n in enumerate(names)))
+               for i, names in buckets.items())
+    calls = tuple(Collective(BACKWARD, "reduce_scatter", "g", 4, None, b.index, 0, b.numel) for b in bs)
+    return Plan("test", 4, (GroupInfo("g", 4, 1, 4 * sum(map(len, buckets.values()))),), bs, bs,
+                calls + tuple(step), execution=execution)
+
+
+def profile(*names: str, each_ms: float = 1.0, forward_ms: float = 0.0,
+            tail_ms: float = 0.0) -> ComputeProfile:
+    return ComputeProfile(tuple((n, each_ms * MS) for n in names), forward_ms * MS, tail_ms * MS)
+
+
+def comm_spans(t) -> list[tuple[float, float]]:
+    return [(round(s.start / MS, 6), round(s.end / MS, 6)) for s in t.segments if s.lane == COMM]
+
+
+# --------------------------------------------------------------------------- known answers
+
+
+def test_a_complete_bucket_waits_behind_an_incomplete_one():
+    # Bucket 0 = {a, c} completes after c (3 ms); bucket 1 = {b} after b (2 ms).
+    buckets = {0: ["a", "c"], 1: ["b"]}
+    prof = profile("a", "b", "c")
+    in_order = simulate(tiny_plan(buckets, Execution(max_in_flight=None)), flat_cost(0.5), prof)
+    assert comm_spans(in_order) == [(3, 3.5), (3.5, 4)]
+    assert in_order.backward_end_s == pytest.approx(4 * MS)
+    when_ready = simulate(tiny_plan(buckets, Execution(max_in_flight=None, launch_in_order=False)),
+                          flat_cost(0.5), prof)
+    assert comm_spans(when_ready) == [(2, 2.5), (3, 3.5)]
+    assert when_ready.total_s == pytest.approx(3.5 * MS)
+
+
+@pytest.mark.parametrize("limit, total_ms, waits_ms", [
+    (None, 11.0, 2.0),   # calls queue on the comm lane; only the end of backward waits
+    (2, 11.0, 2.0),      # the 3rd and 4th launches wait for the oldest: 0.5 + 1.5 ms
+    (1, 13.5, 4.5),      # every launch waits for the previous call: 3 x 1.5 ms
+    (0, 19.0, 10.0),     # every call blocks compute: 4 x 2.5 ms
+])
+def test_buckets_in_flight_limit_stalls_compute(limit, total_ms, waits_ms):
+    # Four 1 ms gradients, each its own bucket, 2.5 ms per call, then 5 ms of compute left.
+    names = ["p0", "p1", "p2", "p3"]
+    p = tiny_plan({i: [n] for i, n in enumerate(names)}, Execution(max_in_flight=limit))
+    t = simulate(p, flat_cost(2.5), profile(*names, tail_ms=5))
+    assert t.total_s == pytest.approx(total_ms * MS)
+    waits = sum(s.end - s.start for s in t.segments if s.kind == "wait")
+    assert waits == pytest.approx(waits_ms * MS)
+    assert t.compute_s == pytest.approx(9 * MS)
+    assert t.exposed_comm_s == pytest.approx((total_ms - 9) * MS)
+
+
+def test_communication_longer_than_compute_is_exposed():
+    p = tiny_plan({0: ["a"]}, Execution())
+    t = simulate(p, flat_cost(5.0), profile("a", forward_ms=2))
+    assert (t.forward_end_s, t.backward_end_s, t.total_s) == pytest.approx((2 * MS, 8 * MS, 8 * MS))
+    assert t.compute_s == pytest.approx(3 * MS)
+    assert t.exposed_comm_s == pytest.approx(5 * MS) and t.hidden_comm_s == pytest.approx(0)
+    # Communication shorter than the compute after it hides completely.
+    hidden = simulate(tiny_plan({0: ["a"]}, Execution()), flat_cost(0.5),
+                      profile("a", tail_ms=3))
+    assert hidden.exposed_comm_s == pytest.approx(0) and hidden.hidden_comm_s == pytest.approx(0.5 * MS)
+
+
+def test_a_missing_gradient_holds_its_bucket_until_the_flush():
+    # "m" never produces a gradient: bucket 0 = {a, m} goes out with the end-of-backward flush.
+    buckets = {0: ["a", "m"], 1: ["b"]}
+    prof = profile("a", "b")
+    held = simulate(tiny_plan(buckets, Execution(max_in_flight=None)), flat_cost(0.5), prof)
+    assert comm_spans(held) == [(2, 2.5), (2.5, 3)]
+    free = simulate(tiny_plan(buckets, Execution(max_in_flight=None, missing_grads_hold_bucket=False)),
+                    flat_cost(0.5), prof)
+    assert comm_spans(free) == [(1, 1.5), (2, 2.5)]
+
+
+def test_step_collectives_bracket_the_optimizer():
+    # One 1M-element shard per rank: 4 ms of optimizer at 4 B/element and 1 GB/s.
+    device = DeviceCompute("slow", tflops=1.0, memory_gbs=1.0, optimizer_bytes_per_element=4)
+    step = (Collective(STEP, "all_reduce", "world", 4, None, None, 0, 8),
+            Collective(STEP, "all_gather", "g", 4, None, 0, 0, 4))
+    p = tiny_plan({0: ["a"]}, Execution(copies_grads=False), step)
+    p = Plan(p.strategy, 4, (GroupInfo("g", 4, 1, 4),), p.buckets,
+             (Bucket("g", 0, 4 * 10**6, (Slot("a", 0, 4),)),), p.collectives,
+             execution=p.execution)
+    t = simulate(p, flat_cost(1.0, device), profile("a"))
+    # backward 1 + RS 1, then all-reduce 1, optimizer 1M x 4 B / 1 GB/s = 4 ms, gather 1.
+    assert comm_spans(t) == [(1, 2), (2, 3), (7, 8)]
+    assert t.backward_end_s == pytest.approx(2 * MS) and t.total_s == pytest.approx(8 * MS)
+    assert [s.kind for s in t.segments if s.lane == COMPUTE] == [
+        "backward", "wait", "wait", "optimizer", "wait"]
+
+
+def test_gathers_in_forward_overlap_it():
+    step = tuple(Collective(STEP, "all_gather", "g", 4, None, i, 0, 4) for i in range(2))
+    # In forward: gather 0 [0, 1], forward half [1, 3] beside gather 1 [1, 2], forward
+    # half [3, 5]; backward [5, 6], its reduce-scatter [6, 7]. After the step instead:
+    # forward 4, backward 1, reduce-scatter 1, then the two gathers, 2.
+    for in_forward, total in ((True, 7), (False, 8)):
+        p = tiny_plan({0: ["a"]}, Execution(copies_grads=False, gather_in_forward=in_forward), step)
+        t = simulate(p, flat_cost(1.0), profile("a", forward_ms=4))
+        assert t.total_s == pytest.approx(total * MS), in_forward
+        assert t.forward_end_s == pytest.approx((5 if in_forward else 4) * MS)
+
+
+def test_collectives_slow_compute_by_the_comm_slowdown():
+    device = DeviceCompute("shared", tflops=1.0, memory_gbs=1e12, comm_slowdown=1.0)
+    p = tiny_plan({0: ["a"]}, Execution(copies_grads=False))
+    # 2 ms of tail compute beside a 1 ms call: half speed for 1 ms, then full speed.
+    t = simulate(p, flat_cost(1.0, device), ComputeProfile((("a", MS),), 0.0, 2 * MS))
+    assert t.total_s == pytest.approx(3.5 * MS)
+    assert t.exposed_comm_s == pytest.approx(0.5 * MS)
+
+
+def test_execution_override_and_a_model_without_compute():
+    p = tiny_plan({i: [n] for i, n in enumerate("abcd")}, Execution(max_in_flight=0))
+    blocking = simulate(p, flat_cost(2.5), profile(*"abcd", tail_ms=5))
+    free = simulate(p, flat_cost(2.5), profile(*"abcd", tail_ms=5), Execution(max_in_flight=None))
+    assert free.total_s < blocking.total_s
+    from evenzero.cost import CostModelError
+
+    no_compute = CostModel("bare", "", *([OpCost((Variant("x", 1, 1),))] * 4))
+    with pytest.raises(CostModelError, match="no compute figures"):
+        simulate(p, no_compute, profile(*"abcd"))
+
+
+# --------------------------------------------------------------------------- real plans
+
+
+def test_every_strategy_plays_on_the_seed_case():
+    spec = preset("seed-moe")
+    from evenzero.cost.compute import estimate_profile
+
+    cost = PRESETS["gloo-local"]
+    prof = estimate_profile(spec, cost.compute)
+    for name in (*STRATEGY_NAMES, "deepspeed-reduce-mode"):
+        p = plan(spec, 8, name, PlanOptions(cost_model=cost))
+        t = simulate(p, cost, prof)
+        assert len([s for s in t.segments if s.lane == COMM]) == len(p.collectives), name
+        assert t.total_s >= t.compute_s > 0
+        # Measured by the repro: evenzero's step is well under the 0.6 schedule's.
+    ez = simulate(plan(spec, 8, "evenzero", PlanOptions(cost_model=cost)), cost, prof)
+    ds = simulate(plan(spec, 8, "deepspeed-0.6"), cost, prof)
+    assert ez.total_s < 0.75 * ds.total_s and ez.backward_s < ds.backward_s
+
+
+@st.composite
+def cases(draw):
+    world = draw(st.sampled_from([2, 4, 8]))
+    n = draw(st.integers(1, 12))
+    params = tuple(ParamSpec(f"p{i}", tuple(draw(st.lists(st.integers(1, 64), min_size=1,
+                                                          max_size=2))),
+                             draw(st.sampled_from(["dense", "experts"]))) for i in range(n))
+    names = [p.name for p in params]
+    arrival = draw(st.permutations(names))[:draw(st.integers(1, n))]
+    spec = ModelSpec(params, (GroupSpec("dense"), GroupSpec("experts", 2)), tuple(arrival))
+    if not spec.group_params("dense") and not spec.group_params("experts"):
+        spec = ModelSpec(params[:1], spec.groups)
+    strategy = draw(st.sampled_from(sorted({*STRATEGY_NAMES, "deepspeed-reduce-mode"})))
+    bucket = draw(st.integers(16, 4096))
+    times = tuple((name, draw(st.floats(0, 2e-3))) for name in spec.arrival_order)
+    alpha = draw(st.floats(1.0, 3000.0))
+    return spec, world, strategy, bucket, ComputeProfile(times, draw(st.floats(0, 1e-3))), alpha
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_timeline_properties(case):
+    spec, world, strategy, bucket, prof, alpha = case
+    p = plan(spec, world, strategy, PlanOptions(bucket_numel=bucket))
+    t = simulate(p, flat_cost(alpha / 1e3), prof)
+    for lane in (COMPUTE, COMM):
+        spans = sorted((s.start, s.end) for s in t.segments if s.lane == lane)
+        assert all(a <= b + 1e-12 for (_, a), (b, _) in zip(spans, spans[1:], strict=False))
+        assert all(0 <= s <= e <= t.total_s + 1e-12 for s, e in spans)
+    assert len([s for s in t.segments if s.lane == COMM]) == len(p.collectives)
+    assert t.total_s >= max(t.compute_s, t.comm_s) - 1e-12
+    assert t.forward_end_s <= t.backward_end_s <= t.total_s
+    # Dearer calls never make the step shorter; free calls leave compute alone.
+    dearer = simulate(p, flat_cost(2 * alpha / 1e3), prof)
+    assert dearer.total_s >= t.total_s - 1e-12
+    free = simulate(p, flat_cost(0.0), prof)
+    assert free.total_s == pytest.approx(free.compute_s, abs=1e-12)
