@@ -400,6 +400,53 @@ def check_state_dict_resumes_exactly(rank, world, stage):
         torch.testing.assert_close(got[n], want[n], rtol=0, atol=0, msg=n)
 
 
+def check_checkpoint_reshards_per_parameter_steps(rank, world):
+    """Saved on 2 ranks, loaded on all of them: each parameter keeps its own step count
+    (extra missed steps, so Adam's bias correction differs from the others')."""
+    import tempfile
+
+    from evenzero import ZeroOptimizer, checkpoint
+
+    box = [tempfile.mkdtemp(prefix="contract-ckpt-") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    two = dist.new_group([0, 1])
+    torch.manual_seed(0)
+    ref = Branchy()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **ADAMW)
+    uses = [True, False, False, True, False]
+
+    def train(model, opt, steps, size, index):
+        for step in steps:
+            x, y = mlp_batch(step, 12)
+            if model is not None:
+                mine = part(x, index, size), part(y, index, size)
+                mlp_loss_extra = nn.functional.mse_loss(model(mine[0], uses[step]), mine[1])
+                mlp_loss_extra.backward()
+                opt.step()
+                opt.zero_grad()
+            nn.functional.mse_loss(ref(x, uses[step]), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+
+    model = opt = None
+    if rank < 2:
+        torch.manual_seed(0)
+        model = Branchy()
+        opt = ZeroOptimizer(model, torch.optim.AdamW, process_group=two, **ADAMW)
+    train(model, opt, range(3), 2, rank)
+    if rank < 2:
+        checkpoint.save(opt, box[0])
+        opt.close()
+    dist.barrier()
+    torch.manual_seed(7)
+    model = Branchy()
+    opt = ZeroOptimizer(model, torch.optim.AdamW, bucket_numel=40, **ADAMW)
+    checkpoint.load(opt, box[0])
+    train(model, opt, range(3, 5), world, rank)
+    opt.wait_for_params()
+    assert_same_params(model, ref)
+
+
 # --------------------------------------------------------------------------- the jobs
 
 
@@ -426,6 +473,7 @@ def _checks(rank, world, names):
         "close": partial(check_close_then_rebuild, rank, world),
         "state_dict-1": partial(check_state_dict_resumes_exactly, rank, world, 1),
         "state_dict-2": partial(check_state_dict_resumes_exactly, rank, world, 2),
+        "checkpoint_steps": partial(check_checkpoint_reshards_per_parameter_steps, rank, world),
     }
     return {n: table[n] for n in names}
 
@@ -434,7 +482,7 @@ WORLD2 = ["schedulers", "hyperparameters", "param_groups", "closure", "clearing-
           "accumulation-1", "accumulation-2", "p_grad-1", "p_grad-2", "missing-1", "missing-2",
           "zeroed", "freezing", "writes-1", "writes-2", "bf16", "broadcast", "close",
           "state_dict-1", "state_dict-2"]
-WORLD3 = ["missing-2", "clearing-2", "writes-2", "broadcast", "state_dict-2"]
+WORLD3 = ["missing-2", "clearing-2", "writes-2", "broadcast", "state_dict-2", "checkpoint_steps"]
 
 
 def contract_job(rank, world):

@@ -93,7 +93,14 @@ def case_fp16_plain_backward_on_one_rank(rank, world):
         opt.backward(loss)
     else:
         loss.backward()
-    opt.step()
+    try:
+        opt.step()
+    except _zre() as e:
+        # Rank 1 names its own mistake; rank 0 learns that another rank found a problem.
+        expected = "opt.backward(loss)" if rank == 1 else "1 other rank(s) found a problem"
+        assert expected in str(e), str(e)
+    else:
+        raise AssertionError("step() did not raise")
 
 
 def case_fp16_scaled_backward_is_fine(rank, world):
@@ -175,7 +182,7 @@ EXPECTED = {
     "add_param_group": (_zce(), "add_param_group"),
     "unfreeze_after_construction": (_zre(), "'fc1.weight'", "frozen", "requires_grad"),
     "fp16_plain_backward": (_zre(), "loss.backward()", "opt.backward(loss)"),
-    "fp16_plain_backward_on_one_rank": (_zre(), "opt.backward(loss)"),
+    "fp16_plain_backward_on_one_rank": None,  # raises on both ranks; checked inside
     "fp16_scaled_backward_is_fine": None,
     "no_sync_counts_differ": (_zre(), "no_sync()", "micro-batch"),
     "no_sync_counts_differ_but_sum_to_a_multiple": (_zre(), "no_sync()", "micro-batch"),

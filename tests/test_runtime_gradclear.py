@@ -64,7 +64,7 @@ class OneRank:
             local = (torch.zeros(p.numel()) if g is None or isinstance(g, ShardedGrad)
                      else g.reshape(-1))
             off, numel = self.offsets[n]
-            add_reduced(self.shard, off, local, 1.0, [(0, numel)] if cleared else [])
+            add_reduced(self.shard, off, local, 1.0, [(off, numel)] if cleared else [])
             self.tracker.reduced(n)
 
     def settle(self) -> None:
@@ -207,7 +207,19 @@ def test_shard_runs_and_add_reduced_mixed_window():
     assert runs.of_params(["x", "y"]) == [(0, 6)]
     assert runs.within(["x"], 2, 8) == [(0, 1), (3, 1)]
     shard = torch.ones(8)
-    add_reduced(shard, 2, torch.full((6,), 4.0), 0.5, runs.within(["x"], 2, 8))
+    add_reduced(shard, 2, torch.full((6,), 4.0), 0.5, runs.of_params(["x"]))
     assert shard.tolist() == [1, 1, 2, 3, 3, 2, 3, 3]
-    add_reduced(shard, 0, torch.full((8,), 2, dtype=torch.bfloat16), 0.5, [(0, 8)])
+    add_reduced(shard, 0, torch.full((8,), 2, dtype=torch.bfloat16), 0.5, [(0, 20)])
     assert shard.tolist() == [1.0] * 8
+
+
+def test_landing_receives_the_new_gradient_in_place():
+    p = nn.Parameter(torch.ones(3))
+    buf = torch.zeros(5)
+    ph = ShardedGrad(p, "p")
+    ph.landing = buf[1:4]
+    p.grad = ph
+    (p * 3).sum().backward()
+    assert p.grad.data_ptr() == buf[1:].data_ptr() and buf.tolist() == [0, 3, 3, 3, 0]
+    (p * 1).sum().backward()  # a second backward accumulates in place, as into any .grad
+    assert buf.tolist() == [0, 4, 4, 4, 0]

@@ -142,3 +142,20 @@ def test_groups_of_one_optimizer_step_independently():
         torch.testing.assert_close(experts.detach(), torch.cat([ref["u"], ref["v"]]).detach(),
                                    rtol=1e-6, atol=1e-6)
     assert dense.grad is None and experts.grad is None
+
+
+def test_a_group_active_elsewhere_gets_its_state_kinds_here():
+    """Nothing of this rank's shard had a gradient, but the group stepped on another
+    rank: the state tensors exist here too (checkpoints gather them), values untouched."""
+    p = _plan(1, 1000)
+    runs = ShardRuns.of(p, "dense", 0)
+    master = torch.nn.Parameter(torch.randn(p.shard_numel("dense")))
+    before = master.detach().clone()
+    opt = torch.optim.AdamW([master], lr=0.1, weight_decay=0.5)
+    stepper = MaskedStep(opt, {"dense": master}, {"dense": runs})
+    assert stepper.step({"dense": torch.ones_like(master)}, set(), active={"dense"}) == []
+    assert torch.equal(master.detach(), before)
+    assert set(opt.state[master]) == {"exp_avg", "exp_avg_sq"}
+    assert all(s == {} for s in stepper.param_state("dense").values())
+    stepper.step({"dense": torch.ones_like(master)}, set(SHAPES))
+    assert all(int(s["step"]) == 1 for s in stepper.param_state("dense").values())

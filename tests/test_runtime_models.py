@@ -93,10 +93,6 @@ def train_pair(rank: int, world: int, make_model: Callable[[], nn.Module], loss_
         opt.step()
         opt.zero_grad()
         loss_fn(ref, batch).backward()
-        for p in ref.parameters():
-            # The documented semantics: a parameter with no gradient anywhere steps on zeros.
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
         if clip is not None:
             norms.append((float(norm), float(torch.nn.utils.clip_grad_norm_(
                 [p for p in ref.parameters() if p.requires_grad], clip))))

@@ -76,7 +76,7 @@ def run_moe(rank, world, ep_size, stage, convention, steps=3):
              "lr": EXPERT_LR},
         ], stage=stage, bucket_numel=64, **kw)
         expert_group = "experts"
-        assert [g["lr"] for g in opt.optimizer.param_groups] == [kw["lr"], EXPERT_LR]
+        assert [g["lr"] for g in opt.param_groups] == [kw["lr"], EXPERT_LR]
     ref_experts = list(ref.moe.experts.parameters())
     ref_dense = [p for p in ref.parameters() if all(p is not q for q in ref_experts)]
     expert_lr = EXPERT_LR if convention == "param_groups" else kw["lr"]

@@ -8,8 +8,7 @@ import torch
 from evenzero.runtime.buckets import FlatParams
 from evenzero.runtime.checks import ZeroRuntimeError
 from evenzero.runtime.paramwrites import adopt_replaced, pick_up, refresh_masters
-from evenzero.runtime.precision import dtype_name
-from evenzero.spec import GroupSpec, ModelSpec, ParamSpec
+from evenzero.spec import GroupSpec, ModelSpec, ParamSpec, dtype_name
 from evenzero.strategies import PlanOptions, plan
 from test_runtime_models import MLP
 

@@ -33,8 +33,8 @@ class ZeroConfig:
     `ZeroOptimizer(...)` as a keyword argument."""
 
     stage: int = 2
-    """1: each rank keeps full-size gradient buffers (autograd accumulates into them in
-    place); each bucket is reduced during backward as soon as it is complete, as in
+    """1: each rank keeps full-size gradient buffers (gradients land and accumulate in
+    them in place); each bucket is reduced during backward as soon as it is complete, as in
     stage 2, and only optimizer state and master weights are sharded. 2: each bucket's
     gradients are copied out and reduced as it fills, and only this rank's 1/N shard of
     the gradients is kept."""

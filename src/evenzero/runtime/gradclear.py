@@ -76,8 +76,12 @@ class ClearTracker:
         was it replaced or changed by someone other than autograd's accumulation?"""
         seen = self._local.get(name)
         expected = 1 if in_hook else 0
-        if seen is not None and seen[0]() is grad and grad._version == seen[1] + expected:
-            return None  # only autograd's in-place accumulation touched it
+        if seen is not None and seen[0]() is grad and (grad._version == seen[1] + expected
+                                                       or grad._is_view()):
+            # Only autograd's in-place accumulation touched it. (A stage-1 landing view
+            # shares its version counter with the whole bucket buffer, so for views only
+            # the identity is checked.)
+            return None
         if seen is not None and seen[0]() is grad:
             # Same tensor, written in place by someone else (zero_, mul_, clipping).
             if not self.pending[name]:
@@ -141,6 +145,23 @@ class ClearTracker:
                 ph.cleared = False
         return zeroed
 
+    def forget(self) -> None:
+        """Everything was dropped (a void step): no gradient anywhere, nothing pending."""
+        self.pending.clear()
+        self._local.clear()
+        self.has_grad = dict.fromkeys(self.params, False)
+        for ph in self.placeholders.values():
+            ph.reset()
+
+    def clear_all(self, set_to_none: bool) -> None:
+        """The optimizer's own zero_grad(): every gradient is cleared (pending decisions
+        of no_sync() micro-batches included, which a clear in place could not tell)."""
+        for name in self.pending:
+            self.pending[name] = True
+        self._local.clear()
+        if set_to_none:
+            self.has_grad = dict.fromkeys(self.params, False)
+
     def drop_absent(self, absent: Sequence[str]) -> None:
         """After a step: parameters no rank had a gradient for show `p.grad = None`, as in
         torch (their shard runs are zero, so clearing them changes nothing)."""
@@ -151,19 +172,23 @@ class ClearTracker:
 
 def add_reduced(shard: torch.Tensor, offset: int, chunk: torch.Tensor, scale: float,
                 cleared: Sequence[tuple[int, int]]) -> None:
-    """`shard[offset:offset + len(chunk)] += chunk * scale`, except that the runs in
-    `cleared` ((offset, numel) relative to `offset`) are overwritten with it."""
-    window = shard[offset:offset + chunk.numel()]
-    if not cleared:
+    """`shard[offset:offset + len(chunk)] += chunk * scale`, except that where the
+    window meets the runs in `cleared` ((shard offset, numel), sorted) it is
+    overwritten instead."""
+    hi = offset + chunk.numel()
+    window = shard[offset:hi]
+    spans = [(max(o, offset) - offset, min(o + n, hi) - max(o, offset)) for o, n in cleared
+             if o < hi and o + n > offset]
+    if not spans:
         window.add_(chunk, alpha=scale)
         return
-    if len(cleared) == 1 and cleared[0] == (0, window.numel()):
+    if spans == [(0, window.numel())]:
         if chunk.dtype == window.dtype:
             torch.mul(chunk, scale, out=window)
         else:  # upcast first, then scale in the shard's dtype, as add_ would
             window.copy_(chunk)
             window.mul_(scale)
         return
-    for off, n in cleared:
+    for off, n in spans:
         window[off:off + n].zero_()
     window.add_(chunk, alpha=scale)

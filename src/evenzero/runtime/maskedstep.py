@@ -54,7 +54,7 @@ def _clone(v: Any) -> Any:
     return v.clone() if isinstance(v, torch.Tensor) else v
 
 
-def _split(state: Mapping[str, Any], numel: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def split_state(state: Mapping[str, Any], numel: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(shard-shaped tensors, scalar state) of one optimizer state dict."""
     flats, scalars = {}, {}
     for k, v in state.items():
@@ -90,14 +90,20 @@ class MaskedStep:
     # ------------------------------------------------------------------ stepping
 
     @torch.no_grad()
-    def step(self, grads: Mapping[str, torch.Tensor], present: Iterable[str]) -> list[str]:
+    def step(self, grads: Mapping[str, torch.Tensor], present: Iterable[str],
+             active: Iterable[str] = ()) -> list[str]:
         """Step with `grads[g]` as each master's gradient, touching only parameters in
-        `present`. Returns the groups in which something was stepped."""
+        `present`. Returns the groups in which something was stepped here. `active`
+        names the groups stepped on some rank: one with nothing present on this rank
+        still gets its optimizer-state tensors, so every rank of a group holds the same
+        kinds of state (what checkpoints gather)."""
         present = set(present)
         fast, slow = [], []
         for g, r in self.runs.items():
             here = [n for n in r.names if n in present]
             if not here:
+                if g in active:
+                    self._materialize(g)
                 continue
             classes = {id(self.class_of[g][n]) for n in here}
             (fast if len(classes) == 1 and len(here) == len(r.names) else slow).append(g)
@@ -132,13 +138,29 @@ class MaskedStep:
                 pg["params"] = params
                 params[0].grad = grad
 
+    def _materialize(self, g: str) -> None:
+        """Create group `g`'s state tensors without stepping anything: step a copy of
+        the master with a zero gradient and empty state, then put the master back. The
+        state's values belong to parameters that stay "never stepped" here."""
+        m = self.masters[g]
+        state = self.optimizer.state[m]
+        if split_state(state, m.numel())[0]:
+            return
+        keep = m.detach().clone()
+        state.clear()
+        self._aliased[g] = None
+        self._step_groups({g: (m, torch.zeros_like(m))})
+        m.copy_(keep)
+        for key in list(split_state(state, m.numel())[1]):
+            del state[key]
+
     def _load(self, g: str, cls: StateClass) -> None:
         """Make `cls` the scalar state the optimizer sees for group `g`'s master."""
         if self._aliased[g] is cls:
             return
         m = self.masters[g]
         state = self.optimizer.state[m]
-        flats, scalars = _split(state, m.numel())
+        flats, scalars = split_state(state, m.numel())
         state.clear()
         if not cls.fresh:
             state.update(flats)
@@ -148,7 +170,7 @@ class MaskedStep:
     def _store(self, g: str, cls: StateClass) -> None:
         m = self.masters[g]
         cls.fresh = False
-        cls.scalars = _split(self.optimizer.state[m], m.numel())[1]
+        cls.scalars = split_state(self.optimizer.state[m], m.numel())[1]
         self._aliased[g] = cls
 
     def _step_slow(self, g: str, grad: torch.Tensor, present: set[str]) -> None:
@@ -166,7 +188,7 @@ class MaskedStep:
         keep = [n for n in runs.names if n not in lead_names]  # not stepped with the lead
         keep_idx = _index(runs, keep, m.device)
         state = self.optimizer.state[m]
-        flats, _ = _split(state, m.numel())
+        flats, _ = split_state(state, m.numel())
         saved = {"": m.index_select(0, keep_idx)}
         saved.update({k: v.index_select(0, keep_idx) for k, v in flats.items()})
 
@@ -185,7 +207,7 @@ class MaskedStep:
                 self._step_groups({g: (sub, grad.index_select(0, idx))})
             finally:
                 sub_state = self.optimizer.state.pop(sub)
-            sub_flats, sub_scalars = _split(sub_state, sub.numel())
+            sub_flats, sub_scalars = split_state(sub_state, sub.numel())
             results.append((idx, members[c], cls, sub, sub_flats, sub_scalars))
 
         # The lead class on the whole shard. If some of its members are absent, the
@@ -199,10 +221,10 @@ class MaskedStep:
             self._store(g, lead_cls)
         else:
             lead_cls.fresh, lead_cls.scalars = False, {
-                k: _clone(v) for k, v in _split(state, m.numel())[1].items()}
+                k: _clone(v) for k, v in split_state(state, m.numel())[1].items()}
 
         # Put back what the lead step must not have changed, then the others' results.
-        flats, _ = _split(state, m.numel())
+        flats, _ = split_state(state, m.numel())
         m.index_copy_(0, keep_idx, saved[""])
         for k, v in flats.items():
             if k in saved:

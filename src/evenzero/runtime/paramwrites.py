@@ -25,7 +25,6 @@ import torch
 from evenzero.plan import Plan
 from evenzero.runtime.buckets import FlatParams
 from evenzero.runtime.checks import ZeroRuntimeError
-from evenzero.runtime.shards import layout_bases
 
 
 def adopt_replaced(flat: FlatParams) -> list[str]:
@@ -64,5 +63,6 @@ def pick_up(master: torch.Tensor, owned: torch.Tensor) -> None:
 def refresh_masters(plan: Plan, flat: FlatParams, group: str, master: torch.Tensor) -> None:
     """Pick up every write to the parameters of `group` in this rank's master shard."""
     with torch.no_grad():
-        for index, base, per in layout_bases(plan, group):
-            pick_up(master[base:base + per], flat.owned_slice(group, index))
+        for shard in plan.layout_shards(group):
+            pick_up(master[shard.shard_offset:shard.shard_offset + shard.numel],
+                    flat.owned_slice(group, shard.layout))

@@ -31,12 +31,16 @@ What `p.grad` holds, by stage:
   gradient as a plain dense tensor, as under DDP's `no_sync()`;
 * after `zero_grad()` (set_to_none=True): None.
 
+At stage 1 a placeholder may carry a `landing`: its parameter's view of the persistent
+bucket buffer, where the next gradient is copied instead of into a new tensor.
+
 One placeholder is made per parameter and reused (creating one costs about 2 us,
 assigning it to `p.grad` well under 1 us).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
 
 import torch
@@ -68,6 +72,7 @@ class ShardedGrad(torch.Tensor):
     param_name: str
     cleared: bool
     add_seen: AddSeen
+    landing: torch.Tensor | None
 
     @staticmethod
     def __new__(cls, param: torch.Tensor, name: str) -> ShardedGrad:
@@ -78,6 +83,7 @@ class ShardedGrad(torch.Tensor):
         out.param_name = name
         out.cleared = False
         out.add_seen = AddSeen.NONE
+        out.landing = None
         return out
 
     def __init__(self, param: torch.Tensor, name: str) -> None:  # noqa: D107 - set in __new__
@@ -104,6 +110,11 @@ class ShardedGrad(torch.Tensor):
         if func is aten.add.Tensor and _is_accumulation(args, kwargs):
             me: ShardedGrad = args[1]
             me.add_seen = AddSeen.CLEARED if me.cleared else AddSeen.KEPT
+            land = me.landing
+            if land is not None and land.dtype == args[0].dtype and land.shape == args[0].shape:
+                # Stage 1: the new gradient lands in its persistent bucket buffer, which
+                # becomes p.grad, so later micro-batches accumulate there in place.
+                return land.copy_(args[0])
             return args[0].clone()
         if func is aten.zero_.default:
             args[0].cleared = True
@@ -149,3 +160,10 @@ def _refusal(func, args) -> str:
 def placeholders(named: list[tuple[str, torch.nn.Parameter]]) -> dict[str, ShardedGrad]:
     """One reusable placeholder per parameter."""
     return {n: ShardedGrad(p, n) for n, p in named}
+
+
+def drop_placeholders(params: Mapping[str, torch.nn.Parameter]) -> None:
+    """`p.grad = None` wherever a placeholder is left (the optimizer goes away)."""
+    for p in params.values():
+        if isinstance(p.grad, ShardedGrad):
+            p.grad = None
