@@ -140,6 +140,9 @@ def check_param_groups_are_the_users(rank, world):
     assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]  # AdamW's default
     assert opt.param_groups[0]["params"] == list(model.fc1.parameters())
     assert opt.defaults["betas"] == (0.9, 0.999)
+    from evenzero.checkpoint.protocol import ShardedOptimizer
+
+    assert isinstance(opt, ShardedOptimizer)  # what evenzero.checkpoint relies on
 
 
 def check_step_closure(rank, world):

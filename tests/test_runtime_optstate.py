@@ -73,3 +73,19 @@ def test_damaged_section_is_named(damage):
     sd = _state(who)
     del sd["evenzero"][damage]
     assert "damaged" in mismatch(sd, who, [2])
+
+
+def test_runtime_and_checkpoint_do_not_import_each_other():
+    """They meet through checkpoint/protocol.py only (no import either way, lazy ones too)."""
+    import ast
+    from pathlib import Path
+
+    import evenzero
+
+    root = Path(evenzero.__file__).parent
+    for here, other in (("runtime", "checkpoint"), ("checkpoint", "runtime")):
+        for path in (root / here).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                assert not any(n.startswith(f"evenzero.{other}") for n in names), (path, names)

@@ -42,7 +42,10 @@ class ClearTracker:
 
     def __init__(self, params: Mapping[str, torch.nn.Parameter],
                  placeholders: Mapping[str, ShardedGrad]) -> None:
-        self.params, self.placeholders = params, placeholders
+        self.params = params
+        self.placeholders = dict(placeholders)
+        """Name -> the placeholder installed last (what `p.grad` holds after a reduction)."""
+        self._made = {(n, ph.dtype): ph for n, ph in placeholders.items()}
         self.pending: dict[str, bool] = {}
         """Name -> cleared, decided at its first accumulation since its last reduction."""
         self.has_grad: dict[str, bool] = dict.fromkeys(params, False)
@@ -121,9 +124,15 @@ class ClearTracker:
         """Its bucket was reduced: `p.grad` becomes the placeholder again."""
         self.pending.pop(name, None)
         self._local.pop(name, None)
-        ph = self.placeholders[name]
+        p = self.params[name]
+        # One placeholder per dtype the parameter is seen in: a forward that re-casts
+        # `p.data` (the seed case's gate) leaves it in another dtype during backward.
+        ph = self._made.get((name, p.dtype))
+        if ph is None or ph.shape != p.shape or ph.device != p.device:
+            ph = self._made[(name, p.dtype)] = ShardedGrad(p, name)
         ph.reset()
-        self.params[name].grad = ph
+        self.placeholders[name] = ph
+        p.grad = ph
 
     # ------------------------------------------------------------------ step
 

@@ -31,7 +31,7 @@ copy, launch, wait, accumulate, step check, step and gather.
 
 Usage beyond the basic loop (gradient accumulation with `no_sync()`, mixed precision
 and fp16 loss scaling with `opt.backward(loss)`, MoE `expert_groups`, checkpoints with
-`opt.save` / `opt.load`, DeepSpeed's schedule with `strategy="deepspeed-0.6"`) is in the
+`evenzero.checkpoint.save(opt, dir)` / `load`, DeepSpeed's schedule with `strategy="deepspeed-0.6"`) is in the
 README and in `ZeroConfig`'s field docstrings.
 
 What it keeps from torch (README, "Coming from PyTorch / DDP"): it is a
@@ -237,7 +237,7 @@ class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
             routes, self.params, self.groups,
             ReducerConfig(self.config.stage, self.world_size, self.config.max_buckets_in_flight,
                           self._setup.device, REDUCE_SCATTERS[self.reduce_scatter_algorithm],
-                          lambda: self.loss_scaler.scale),
+                          partial(getattr, self.loss_scaler, "scale")),
             self._recorder, self._clearing, self._runs)
         self._prefetch.bind(plan, self._flat, self.groups, gather_order(plan, self.groups))
 

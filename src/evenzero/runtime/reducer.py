@@ -158,6 +158,10 @@ class GradientReducer:
                 bucket = self._fill_stage1(route, slot, g)
         for n in names:
             self.clearing.reduced(n)
+        if self.config.stage == 1:
+            # The next backward's first gradient lands in the buffer (`ShardedGrad.landing`).
+            for n, view in zip(names, self.grad_buffers.views[pos], strict=True):
+                self.clearing.placeholders[n].landing = view
         handle = self.executors[pos].start_grad_sync(bucket, slot, self.trace)
         self.inflight.append(_InFlight(pos, bucket, slot, handle, cleared))
         self.started[pos] = True
@@ -181,8 +185,7 @@ class GradientReducer:
 
     def _fill_stage1(self, route: BucketRoute, slot: PoolSlot, g: GroupState) -> torch.Tensor:
         views = self.grad_buffers.views[route.position]
-        for s, p, view in zip(route.bucket.params, self.route_params[route.position], views,
-                              strict=True):
+        for p, view in zip(self.route_params[route.position], views, strict=True):
             grad = p.grad
             if grad is None or isinstance(grad, ShardedGrad):
                 view.zero_()
@@ -190,8 +193,6 @@ class GradientReducer:
                 # A gradient autograd did not land in the buffer (p.grad was None, or
                 # replaced by the user): its contents are the whole local gradient.
                 view.copy_(grad)
-            # The next backward's first gradient lands in the buffer (`ShardedGrad.landing`).
-            self.clearing.placeholders[s.name].landing = view
         buf = self.grad_buffers.buffers[route.position]
         if not self._copies_in(g):
             return buf

@@ -93,6 +93,7 @@ class ShardedGrad(torch.Tensor):
         """Forget what happened to it: it now stands for the freshly reduced gradient."""
         self.cleared = False
         self.add_seen = AddSeen.NONE
+        self.landing = None
 
     def __repr__(self, *, tensor_contents=None) -> str:  # noqa: ARG002 - torch's signature
         state = " (cleared)" if self.cleared else ""

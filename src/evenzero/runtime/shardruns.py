@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-import torch
-
 from evenzero.plan import Plan
 
 
@@ -50,22 +48,6 @@ class ShardRuns:
             else:
                 merged.append((off, n))
         return merged
-
-    def within(self, names: Iterable[str], lo: int, hi: int) -> list[tuple[int, int]]:
-        """The runs of `names` clipped to the window [lo, hi), as offsets from `lo`."""
-        out = []
-        for off, n in self.of_params(names):
-            a, b = max(lo, off), min(hi, off + n)
-            if a < b:
-                out.append((a - lo, b - a))
-        return out
-
-    def mask(self, names: Iterable[str], device: torch.device | str = "cpu") -> torch.Tensor:
-        """A boolean tensor over the shard, True on the runs of `names`."""
-        out = torch.zeros(self.numel, dtype=torch.bool, device=device)
-        for off, n in self.of_params(names):
-            out[off:off + n] = True
-        return out
 
     def covered(self, names: Iterable[str]) -> int:
         """Elements of the shard that belong to `names`."""
