@@ -21,21 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 from dist_helpers import CheckResults, run_checks
-from test_runtime_models import MLP, assert_same_params, mlp_batch, mlp_loss, part
+from test_runtime_models import MLP, Branchy, assert_same_params, mlp_batch, mlp_loss, part
 
 ADAMW = {"lr": 1e-2, "weight_decay": 0.1}
-
-
-class Branchy(MLP):
-    """An MLP with an extra layer used only when asked to."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.extra = nn.Linear(4, 4)
-
-    def forward(self, x, use_extra: bool = False):
-        y = super().forward(x)
-        return self.extra(y) if use_extra else y
 
 
 class Pair:

@@ -25,6 +25,18 @@ class MLP(nn.Module):
         return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
 
 
+class Branchy(MLP):
+    """An MLP with an extra layer used only when asked to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(4, 4)
+
+    def forward(self, x, use_extra: bool = False):
+        y = super().forward(x)
+        return self.extra(y) if use_extra else y
+
+
 class Quirky(nn.Module):
     """Tied embedding/head, a frozen layer, an unused layer; forward order != registration."""
 

@@ -119,7 +119,27 @@ def refuse_expert_parallel_group(rank, world, ep_size):
                       expert_groups={groups.group_name: groups.ep_group})
 
 
+def broadcast_from_first_rank_of_each_group(rank, world, ep_size):
+    """Every rank initialises differently: dense parameters and buffers start from rank
+    0's values, expert parameters from the first rank of their expert-data-parallel group
+    (rank r % E), as DeepSpeed's engine broadcasts them; each expert stays its own."""
+    from evenzero import ZeroOptimizer
+    from evenzero.moe import expert_parallel_groups
+
+    groups = expert_parallel_groups(ep_size)
+    torch.manual_seed(100 + rank)
+    model = SeedLike(groups)
+    before = [None] * world
+    dist.all_gather_object(before, {n: p.detach().clone() for n, p in model.named_parameters()})
+    ZeroOptimizer(model, torch.optim.SGD, lr=0.1,
+                  expert_groups={groups.group_name: groups.edp_group}).close()
+    for name, p in model.named_parameters():
+        source = rank % ep_size if name.startswith("moe.experts.") else 0
+        assert torch.equal(p.detach(), before[source][name]), (name, source)
+
+
 CASES = {
+    "broadcast": (2, "broadcast"),
     "marker_stage2": (2, "marker"),
     "param_groups_stage1": (1, "param_groups"),
     "param_groups_stage2": (2, "param_groups"),
@@ -130,6 +150,8 @@ CASES = {
 def moe_case(rank, world, ep_size, stage, convention):
     if convention == "refused":
         refuse_expert_parallel_group(rank, world, ep_size)
+    elif convention == "broadcast":
+        broadcast_from_first_rank_of_each_group(rank, world, ep_size)
     else:
         run_moe(rank, world, ep_size, stage, convention)
 
