@@ -166,13 +166,13 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path):
     assert "world size 8 is not divisible by expert_parallel_size 3" in fails(
         capsys, "plan", "seed-moe", "--world-size", "8", "--ep-size", "3")
     for bad in ("0", "-5"):
-        assert "bucket size must be a positive number of elements" in fails(
+        assert f"argument --bucket-numel: {bad} is below the minimum of 1" in fails(
             capsys, "plan", "seed-moe", "--world-size", "8", "--bucket-numel", bad)
-    assert "world size must be a positive integer, got 0" in fails(
+    assert "argument --world-size: 0 is below the minimum of 1" in fails(
         capsys, "plan", "seed-moe", "--world-size", "0")
     assert "unknown strategy 'zero3'" in fails(
         capsys, "plan", "seed-moe", "--world-size", "8", "--strategy", "zero3")
-    assert "--ep-size must be a positive integer, got 0" in fails(
+    assert "argument --ep-size: 0 is below the minimum of 1" in fails(
         capsys, "plan", "seed-moe", "--world-size", "8", "--ep-size", "0")
     assert "has no expert group" in fails(capsys, "plan", "gpt2-xl", "--world-size", "8",
                                           "--ep-size", "2")
@@ -183,7 +183,8 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path):
     assert "does not exist" in fails(capsys, "plan", "seed-moe", "--world-size", "8",
                                      "--plot", str(tmp_path / "no" / "such" / "dir.png"))
     assert "the following arguments are required: --world-size" in fails(capsys, "plan", "seed-moe")
-    assert "invalid int value: 'eight'" in fails(capsys, "plan", "seed-moe", "--world-size", "eight")
+    assert "argument --world-size: 'eight' is not an integer" in fails(
+        capsys, "plan", "seed-moe", "--world-size", "eight")
 
 
 # --------------------------------------------------------------------------- speed, imports
@@ -214,7 +215,7 @@ def test_70b_on_1024_ranks_plans_fast_without_torch():
 
 
 def test_lazy_subcommand_missing_module_is_a_clear_error(capsys, monkeypatch):
-    monkeypatch.setitem(cli.LAZY_COMMANDS, "bench", ("evenzero._no_such_bench", "x"))
+    monkeypatch.setitem(cli.COMMANDS, "bench", cli.Command("evenzero._no_such_bench", "x"))
     assert "is not part of this installation" in fails(capsys, "bench", "--quick")
 
 
@@ -224,7 +225,7 @@ def test_lazy_subcommand_dispatches_with_its_own_arguments(capsys, monkeypatch):
     fake.add_arguments = lambda p: p.add_argument("--world-size", type=int, default=8)
     fake.main = lambda args: seen.setdefault("ws", args.world_size) and 0
     monkeypatch.setitem(sys.modules, "evenzero._fake_repro", fake)
-    monkeypatch.setitem(cli.LAZY_COMMANDS, "repro", ("evenzero._fake_repro", "x"))
+    monkeypatch.setitem(cli.COMMANDS, "repro", cli.Command("evenzero._fake_repro", "x"))
     assert cli.main(["repro", "--world-size", "4"]) == 0 and seen == {"ws": 4}
     assert "unrecognized arguments: --bogus" in fails(capsys, "repro", "--bogus")
 

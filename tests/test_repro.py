@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-import argparse
+import io
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+from rich.console import Console
 
-from evenzero import repro
+from evenzero import cli
 from evenzero.repro import SYSTEMS
-from evenzero.repro.report import loss_agreement
+from evenzero.repro.deepspeed_runner import DEEPSPEED_INSTALL, DEEPSPEED_VERSION
+from evenzero.repro.report import loss_agreement, print_report, sent_bytes, system_label
 
 # Small shapes: dim 48, 8 experts at expert-parallel size 2 on 4 ranks, so the expert
 # group is a real 2-rank EDP group and the dense group spans all 4 ranks.
@@ -20,18 +26,21 @@ DENSE = 2 * (DIM * DIM + DIM) + EXPERTS * DIM
 EXPERT = (EXPERTS // EP) * 2 * (DIM * DIM + DIM)
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    repro.add_arguments(parser)
-    return parser.parse_args(argv)
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """`evenzero repro` as a user runs it, output to a log (not a terminal)."""
+    out = tmp_path_factory.mktemp("repro")
+    proc = subprocess.run([sys.executable, "-m", "evenzero.cli", "repro", *SMALL,
+                           "--json", str(out / "r.json"), "--plot", str(out / "r")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, proc.stdout
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("repro")
-    args = _parse(SMALL + ["--json", str(out / "r.json"), "--plot", str(out / "r.png")])
-    assert repro.main(args) == 0
-    assert (out / "r.png").stat().st_size > 10_000
+def report(run):
+    out, _ = run
+    assert (out / "r.png").stat().st_size > 10_000  # no extension given: .png added
     return json.loads((out / "r.json").read_text())
 
 
@@ -107,8 +116,73 @@ def test_real_deepspeed_schedules_and_losses(report):
         assert _system(report, name)["losses"] == pytest.approx(ez, rel=1e-4)
 
 
-def test_bad_arguments_are_one_line_errors(capsys):
-    assert repro.main(_parse(["--systems", "evenzero,megatron"])) == 2
-    assert "unknown system(s) ['megatron']" in capsys.readouterr().err
-    assert repro.main(_parse(["--world-size", "6"])) == 2
-    assert "not a multiple of the expert-parallel size 4" in capsys.readouterr().err
+def test_log_shows_each_phase_without_terminal_control(run, report):
+    out, log = run
+    assert "\x1b" not in log and "\r" not in log  # no bar, no cursor moves in a log
+    lines = log.splitlines()
+    phases = ["launching 4 ranks", "4 ranks up", "building evenzero", "building ddp"]
+    if not report["skipped"]:
+        phases += ["importing DeepSpeed", "building deepspeed (deepspeed.initialize)"]
+    for phase in phases:
+        assert any(phase in line for line in lines), (phase, log[:2000])
+    ran = [s["name"] for s in report["systems"]]
+    # The total counts the systems that run: DeepSpeed's are left out when it is missing.
+    assert f"training {len(ran)} systems x 3 steps (1 warm-up): {', '.join(ran)}" in log
+    assert f"step 3/3 done on {len(ran)} system(s)" in log
+    assert f"wrote {out / 'r.png'}" in log
+
+
+def test_sent_bytes_show_deepspeeds_all_reduces_move_twice_the_bytes(report):
+    if any(s["name"] == "deepspeed" for s in report["skipped"]):
+        pytest.skip("DeepSpeed is not importable here")
+    ez, ds = _system(report, "evenzero"), _system(report, "deepspeed")
+    assert 1.9 < sent_bytes(ds) / sent_bytes(ez) <= 2.0
+    assert system_label(ds).startswith("deepspeed: 2 all-reduce, ")
+    assert system_label(ez).startswith("evenzero: 2 reduce-scatter, ")
+
+
+def test_install_hint_survives_rich_markup():
+    fake = {"name": "evenzero", "backward_collectives": [], "step_collectives": [],
+            "median_step_ms": 1.0, "step_ms": [1.0], "losses": [1.0]}
+    report = {"world_size": 4, "backend": "gloo", "numel_per_rank": 10,
+              "config": {"steps": 1, "warmup": 0}, "systems": [fake],
+              "skipped": [{"name": "deepspeed",
+                           "reason": f"DeepSpeed is not importable (x); {DEEPSPEED_INSTALL}"}]}
+    buffer = io.StringIO()
+    print_report(report, Console(file=buffer, width=200, color_system=None))
+    assert 'DS_BUILD_OPS=0 pip install "deepspeed==0.19.8"' in buffer.getvalue()
+    fake["name"] = "[bold]x"  # names and reasons are text, never markup
+    report["skipped"][0]["reason"] = "pip install 'evenzero[deepspeed]'"
+    buffer = io.StringIO()
+    print_report(report, Console(file=buffer, width=200, color_system=None))
+    assert "pip install 'evenzero[deepspeed]'" in buffer.getvalue()
+    assert "[bold]x" in buffer.getvalue()
+
+
+def test_one_deepspeed_version_in_the_extra_ci_and_readme():
+    root = Path(__file__).resolve().parents[1]
+    pyproject = (root / "pyproject.toml").read_text()
+    assert re.search(r'^deepspeed = \["deepspeed==([0-9.]+)"\]$', pyproject, re.M)[1] == \
+        DEEPSPEED_VERSION
+    assert 'DS_BUILD_OPS=0 python3 -m pip install -q -e ".[deepspeed]"' in (
+        root / ".ci" / "run").read_text()
+    readme = (root / "README.md").read_text()
+    assert ('pip install torch==2.13.0 && DS_BUILD_OPS=0 pip install -e ".[deepspeed]" '
+            '&& evenzero repro') in readme
+
+
+def test_bad_arguments_are_one_line_errors(capsys, tmp_path):
+    def fails(*argv: str) -> str:
+        assert cli.main(["repro", *argv]) == 2
+        out, err = capsys.readouterr()
+        assert err.startswith("evenzero: error: ") and err.count("\n") == 1, err
+        return err
+
+    assert "unknown system(s) ['megatron']" in fails("--systems", "evenzero,megatron")
+    assert "not a multiple of the expert-parallel size 4" in fails("--world-size", "6")
+    assert "over the limit of 64 (local processes)" in fails("--world-size", "1000")
+    assert "argument --steps: 0 is below the minimum of 1" in fails("--steps", "0")
+    assert "'nan' is not a finite number" in fails("--timeout", "nan")
+    # Output paths are checked before a minute of training, not after it.
+    assert "does not exist; create it first" in fails("--json", str(tmp_path / "no" / "r.json"))
+    assert "is a directory" in fails("--plot", str(tmp_path))

@@ -67,7 +67,7 @@ def test_bucket_numel_auto_and_bad_values(capsys):
     default = json.loads(_json(capsys, "seed-moe", "--world-size", "8"))
     assert auto == default
     for argv, needle in ((["--bucket-numel", "big"], "expected a number of elements or auto"),
-                         (["--tokens", "0"], "tokens: must be a positive integer"),
+                         (["--tokens", "0"], "--tokens: 0 is below the minimum of 1"),
                          (["--timeline-plot", "/no/such/dir/g.png"], "does not exist")):
         assert cli.main(["plan", "seed-moe", "--world-size", "8", *argv]) == 2
         err = capsys.readouterr().err

@@ -6,12 +6,10 @@ JSON file, or from a preset (`evenzero.model_presets`). The planner needs nothin
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
@@ -26,6 +24,10 @@ def dtype_name(dtype: Any) -> str:
     """A torch dtype's name without the "torch." prefix ("bfloat16"). Needs no torch import,
     so the planner, the runtime and the checkpoints all spell dtypes this one way."""
     return str(dtype).removeprefix("torch.")
+
+
+MAX_NUMEL = 2**63 - 1
+"""Most elements a parameter (and a whole model) may have: torch's int64 numel."""
 
 
 class SpecError(ValueError):
@@ -124,6 +126,10 @@ class ModelSpec:
                                         or not isinstance(self.tokens, int) or self.tokens < 1):
             raise SpecError(f"tokens: must be a positive integer (tokens per micro-batch on one "
                             f"rank), got {self.tokens!r}")
+        total = sum(p.numel for p in self.params)
+        if total > MAX_NUMEL:
+            raise SpecError("params: more than 2**63 - 1 elements in all, more than one "
+                            "flat buffer can index")
         for g in self.groups:
             if not isinstance(g.expert_parallel_size, int) or g.expert_parallel_size < 1:
                 raise SpecError(f"groups[{g.name!r}].expert_parallel_size: must be a positive "
@@ -155,7 +161,24 @@ class ModelSpec:
         raise KeyError(name)
 
     def group_params(self, name: str) -> tuple[ParamSpec, ...]:
-        return tuple(p for p in self.params if p.group == name)
+        return self._by_group.get(name, ())
+
+    def group_dtypes(self, name: str) -> tuple[str, ...]:
+        """The distinct parameter dtypes of group `name`, sorted."""
+        return self._dtypes_by_group.get(name, ())
+
+    @cached_property
+    def _dtypes_by_group(self) -> dict[str, tuple[str, ...]]:
+        return {g: tuple(sorted({p.dtype for p in ps})) for g, ps in self._by_group.items()}
+
+    @cached_property
+    def _by_group(self) -> dict[str, tuple[ParamSpec, ...]]:
+        # Planners ask once per collective (its message dtype); a scan of every param each
+        # time made DeepSpeed's plan O(ranks x params).
+        out: dict[str, list[ParamSpec]] = {}
+        for p in self.params:
+            out.setdefault(p.group, []).append(p)
+        return {g: tuple(ps) for g, ps in out.items()}
 
     def param(self, name: str) -> ParamSpec:
         return self._by_name[name]
@@ -199,93 +222,6 @@ def _param_json(p: ParamSpec) -> dict[str, Any]:
     if p.token_share != 1.0:
         out["token_share"] = p.token_share
     return out
-
-
-# --------------------------------------------------------------------------- JSON
-
-
-def from_json(data: Mapping[str, Any] | str | Path, name: str | None = None) -> ModelSpec:
-    """Parse the documented JSON format; every error names the offending field."""
-    if isinstance(data, (str, Path)):
-        path = Path(data)
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise SpecError(f"{path}: cannot read model file ({e.strerror})") from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise SpecError(f"{path}: not valid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-        name = name or path.stem
-    if not isinstance(data, Mapping):
-        raise SpecError("top level: expected an object with \"params\"")
-    unknown = set(data) - {"params", "groups", "arrival", "tokens"}
-    if unknown:
-        raise SpecError(f"top level: unknown key(s) {sorted(unknown)}; expected params, groups, "
-                        f"arrival, tokens")
-    tokens = data.get("tokens")
-    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
-        raise SpecError(f"tokens: expected a positive integer (tokens per micro-batch on one "
-                        f"rank), got {tokens!r}")
-    raw_params = data.get("params")
-    if not isinstance(raw_params, list) or not raw_params:
-        raise SpecError("params: expected a non-empty list of {\"name\", \"shape\"} objects")
-    raw_groups = data.get("groups", {DENSE: {}})
-    if not isinstance(raw_groups, Mapping):
-        raise SpecError("groups: expected an object mapping group name to options")
-    groups = []
-    for gname, opts in raw_groups.items():
-        if not isinstance(opts, Mapping):
-            raise SpecError(f"groups[{gname!r}]: expected an object, got {type(opts).__name__}")
-        bad = set(opts) - {"expert_parallel_size"}
-        if bad:
-            raise SpecError(f"groups[{gname!r}]: unknown option(s) {sorted(bad)}")
-        e = opts.get("expert_parallel_size", 1)
-        if isinstance(e, bool) or not isinstance(e, int):
-            raise SpecError(f"groups[{gname!r}].expert_parallel_size: expected an integer, got {e!r}")
-        groups.append(GroupSpec(gname, e))
-    params = []
-    for i, rp in enumerate(raw_params):
-        where = f"params[{i}]"
-        if not isinstance(rp, Mapping):
-            raise SpecError(f"{where}: expected an object")
-        pname = rp.get("name")
-        if not isinstance(pname, str) or not pname:
-            raise SpecError(f"{where}.name: expected a non-empty string")
-        where = f"params[{i}] ({pname})"
-        bad = set(rp) - {"name", "shape", "group", "dtype", *COMPUTE_KEYS}
-        if bad:
-            raise SpecError(f"{where}: unknown key(s) {sorted(bad)}")
-        shape = rp.get("shape")
-        if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0
-                                              for d in shape):
-            raise SpecError(f"{where}.shape: expected a list of non-negative integers, got {shape!r}")
-        group = rp.get("group", DENSE)
-        if not isinstance(group, str):
-            raise SpecError(f"{where}.group: expected a string")
-        if group not in raw_groups:
-            raise SpecError(f"{where}.group: unknown group {group!r}; declare it under \"groups\"")
-        dtype = rp.get("dtype", "float32")
-        if dtype not in DTYPE_BYTES:
-            raise SpecError(f"{where}.dtype: {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-        layer = rp.get("layer", "")
-        if layer not in LAYERS:
-            raise SpecError(f"{where}.layer: {layer!r} is not one of {[x for x in LAYERS if x]}")
-        extra = rp.get("extra_backward_flops_per_token", 0.0)
-        if isinstance(extra, bool) or not isinstance(extra, (int, float)) or not extra >= 0:
-            raise SpecError(f"{where}.extra_backward_flops_per_token: expected a non-negative "
-                            f"number, got {extra!r}")
-        share = rp.get("token_share", 1.0)
-        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
-            raise SpecError(f"{where}.token_share: expected a number in [0, 1], got {share!r}")
-        params.append(ParamSpec(pname, tuple(shape), group, dtype, layer, float(extra), float(share)))
-    arrival = data.get("arrival")
-    if arrival is not None and (not isinstance(arrival, list)
-                                or any(not isinstance(a, str) for a in arrival)):
-        raise SpecError("arrival: expected a list of parameter names")
-    return ModelSpec(tuple(params), tuple(groups), tuple(arrival) if arrival is not None else None,
-                     "given" if arrival is not None else "reverse-registration", name or "model",
-                     tokens)
 
 
 # --------------------------------------------------------------------------- nn.Module

@@ -46,6 +46,11 @@ from evenzero.checkpoint.consolidate import (
     import_consolidated,
     load_consolidated_state_dict,
 )
+from evenzero.checkpoint.deepspeed import (
+    DeepSpeedCheckpoint,
+    is_deepspeed_checkpoint,
+    load_deepspeed,
+)
 from evenzero.checkpoint.format import (
     EXTRA_FILE,
     MANIFEST,
@@ -293,3 +298,4 @@ def _check_scaler(opt: Any, manifest: Manifest, path: Path) -> Any:
 
 __all__ = ["CheckpointError", "Manifest", "consolidated_state_dict", "export_consolidated",
            "import_consolidated", "latest", "load", "load_consolidated_state_dict", "save"]
+__all__ += ["DeepSpeedCheckpoint", "is_deepspeed_checkpoint", "load_deepspeed"]

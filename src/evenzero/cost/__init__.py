@@ -342,10 +342,16 @@ def _coerce(key: str, raw: Any, kind: type) -> Any:
     if raw is None or (isinstance(raw, str) and raw.lower() == "none"):
         return None
     try:
-        value = kind(float(raw)) if kind is int else kind(raw)
+        number = float(raw)
     except (TypeError, ValueError):
         raise CostModelError(f"cost parameter {key!r}: {raw!r} is not a number") from None
-    return value
+    if not math.isfinite(number):
+        raise CostModelError(f"cost parameter {key!r}: {raw!r} is not a finite number")
+    if kind is int:  # int(float("1.5")) would silently price with 1
+        if not number.is_integer():
+            raise CostModelError(f"cost parameter {key!r}: {raw!r} is not a whole number")
+        return int(number)
+    return kind(number)
 
 
 # --------------------------------------------------------------------------- fitting

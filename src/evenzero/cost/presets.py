@@ -27,12 +27,12 @@ doc/PERFORMANCE.md); alpha in microseconds.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
 from evenzero.cost import CostModel, CostModelError, OpCost, Sample, Variant, fit_op
 from evenzero.cost.compute import DeviceCompute
+from evenzero.userjson import read_json_file
 
 SMALL = 64 * 1024
 """Messages up to 64 KiB use NCCL's low-latency paths (tree all-reduce, LL reduce); NCCL
@@ -175,13 +175,12 @@ def load_cost_model(name_or_path: str) -> CostModel:
     path = Path(name_or_path)
     if path.suffix != ".json" and not path.exists():
         return cost_preset(name_or_path)
+    # Strict reading: huge literals, NaN, non-UTF-8, deep nesting are one-line errors.
+    data = read_json_file(path, CostModelError, "cost model")
     try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        raise CostModelError(f"{path}: cannot read cost model ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise CostModelError(f"{path}: not valid JSON at line {e.lineno}: {e.msg}") from None
-    return CostModel.from_json(data)
+        return CostModel.from_json(data)
+    except CostModelError as e:
+        raise CostModelError(f"{path}: {e}") from None
 
 
 __all__ = ["PRESETS", "cost_preset", "default_cost_preset", "load_cost_model"]

@@ -21,7 +21,6 @@ import dataclasses
 import json
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from evenzero.repro.localrun import add_launch_arguments, parse_launch_arguments
@@ -63,16 +62,20 @@ class ReproConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from evenzero.commands import finite_float, int_in
+
     add_launch_arguments(parser, world_size=8, steps=8, systems=SYSTEMS, default_systems=SYSTEMS,
                          bucket_numel=DEFAULT_BUCKET_NUMEL)
-    parser.add_argument("--json", type=Path, help="write collectives, times and losses here")
-    parser.add_argument("--plot", type=Path, help="write message sizes and step times as a PNG")
+    parser.add_argument("--json", help="write collectives, times and losses here")
+    parser.add_argument("--plot", help="write message sizes and step times as a PNG "
+                                       "(.png added if no extension)")
     # Small shapes for tests and quick looks; the defaults are the report's model.
-    parser.add_argument("--dim", type=int, default=1000, help=argparse.SUPPRESS)
-    parser.add_argument("--experts", type=int, default=16, help=argparse.SUPPRESS)
-    parser.add_argument("--ep-size", type=int, default=4, help=argparse.SUPPRESS)
-    parser.add_argument("--tokens", type=int, default=32, help=argparse.SUPPRESS)
-    parser.add_argument("--timeout", type=float, default=1200.0, help=argparse.SUPPRESS)
+    parser.add_argument("--dim", type=int_in(1, 16384), default=1000, help=argparse.SUPPRESS)
+    parser.add_argument("--experts", type=int_in(1, 1024), default=16, help=argparse.SUPPRESS)
+    parser.add_argument("--ep-size", type=int_in(1, 1024), default=4, help=argparse.SUPPRESS)
+    parser.add_argument("--tokens", type=int_in(1, 65536), default=32, help=argparse.SUPPRESS)
+    parser.add_argument("--timeout", type=finite_float(0.0, inclusive=False), default=1200.0,
+                        help=argparse.SUPPRESS)
 
 
 def config_from_args(args: argparse.Namespace) -> ReproConfig:
@@ -86,26 +89,33 @@ def config_from_args(args: argparse.Namespace) -> ReproConfig:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Run the job and print the report; errors are raised for `evenzero.cli` to print."""
+    from evenzero.commands import CommandError, UsageError, output_path, write_failed
     from evenzero.repro import report as reproreport
     from evenzero.repro.localrun import LaunchError
 
     try:
         config = config_from_args(args)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from None
+    # Checked before the run: a bad path must not cost a minute of training.
+    json_path = output_path("--json", args.json) if args.json else None
+    plot_path = output_path("--plot", args.plot, default_suffix=".png") if args.plot else None
     try:
         report = run(config, progress=True)
     except LaunchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        raise CommandError(str(e)) from None
     ok = reproreport.print_report(report)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.json}")
-    if args.plot:
-        reproreport.plot(report, args.plot)
-        print(f"wrote {args.plot}")
+    for flag, path, write in (
+            ("--json", json_path, lambda p: p.write_text(json.dumps(report, indent=1))),
+            ("--plot", plot_path, lambda p: reproreport.plot(report, p))):
+        if path is None:
+            continue
+        try:
+            write(path)
+        except OSError as e:
+            raise write_failed(flag, path, e) from None
+        print(f"wrote {path}")
     return 0 if ok else 1
 
 
@@ -114,20 +124,12 @@ def run(config: ReproConfig, progress: bool = False) -> dict[str, Any]:
     from evenzero.repro.localrun import LaunchOptions, launch
 
     options = LaunchOptions(config.world_size, config.backend, config.timeout_s)
-    total = (config.steps + config.warmup) * len(config.systems)
     if not progress:
         return launch(repro_worker, config, options)
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from evenzero.repro.progress import JobProgress
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn()) as bar:
-        task = bar.add_task(f"starting {config.world_size} ranks", total=total)
-
-        def on_event(event: Any) -> None:
-            name, step = event
-            bar.update(task, advance=1, description=f"step {step + 1:>2} {name}")
-
-        return launch(repro_worker, config, options, on_event)
+    with JobProgress(config.world_size) as shown:
+        return launch(repro_worker, config, options, shown)
 
 
 def repro_worker(ctx, config: ReproConfig) -> dict[str, Any]:
@@ -138,6 +140,7 @@ def repro_worker(ctx, config: ReproConfig) -> dict[str, Any]:
     from evenzero.moe import expert_parallel_groups
     from evenzero.plan_report import collective_record as record
     from evenzero.repro.capture import CaptureOptions
+    from evenzero.repro.progress import Planned, StepDone
     from evenzero.repro.sidebyside import InterleaveOptions, run_interleaved
 
     m = config.model
@@ -148,6 +151,7 @@ def repro_worker(ctx, config: ReproConfig) -> dict[str, Any]:
                       frozenset(dist.get_process_group_ranks(groups.edp_group)): m.expert_group_name},
         exclude_all_to_all_ranks=frozenset(dist.get_process_group_ranks(groups.ep_group)))
     systems, skipped = _build_systems(ctx, config, groups, capture)
+    ctx.emit(Planned(tuple(s.name for s in systems), config.steps, config.warmup))
     torch.manual_seed(m.seed)
 
     def batch(step: int):
@@ -157,7 +161,7 @@ def repro_worker(ctx, config: ReproConfig) -> dict[str, Any]:
 
     results = run_interleaved(systems, batch,
                               InterleaveOptions(config.steps, config.warmup, ctx.device),
-                              on_step=lambda name, step: ctx.emit((name, step)))
+                              on_step=lambda name, step: ctx.emit(StepDone(name, step)))
     # What evenzero's runtime planned, to check that it issued exactly that.
     planned = {s.name: [record(c) for c in s.optimizer.plan.backward()]
                for s in systems if hasattr(s, "optimizer") and hasattr(s.optimizer, "plan")}
@@ -180,6 +184,7 @@ def repro_worker(ctx, config: ReproConfig) -> dict[str, Any]:
 
 def _build_systems(ctx, config: ReproConfig, groups, capture) -> tuple[list, list[dict]]:
     from evenzero.repro.baselines import DDPSystem
+    from evenzero.repro.progress import Status
     from evenzero.repro.seedmodel import SeedModel, seed_loss
     from evenzero.repro.sidebyside import EvenzeroSystem
 
@@ -187,6 +192,7 @@ def _build_systems(ctx, config: ReproConfig, groups, capture) -> tuple[list, lis
     systems: list = []
     skipped: list[dict] = []
     for name in config.systems:
+        ctx.emit(Status(f"building {name}"))
         if name in ("evenzero", "deepspeed-0.6-schedule"):
             strategy = "evenzero" if name == "evenzero" else "deepspeed-0.6"
             systems.append(EvenzeroSystem(
@@ -209,16 +215,21 @@ def _build_systems(ctx, config: ReproConfig, groups, capture) -> tuple[list, lis
 
 def _deepspeed_system(ctx, config: ReproConfig, name: str, groups, capture):
     from evenzero.repro.deepspeed_runner import (
+        DEEPSPEED_INSTALL,
         DeepSpeedSeedModel,
         DeepSpeedSystem,
         check_expert_layout,
         deepspeed_unavailable,
     )
+    from evenzero.repro.progress import Status
     from evenzero.repro.seedmodel import seed_loss
 
+    if "deepspeed" not in sys.modules:
+        ctx.emit(Status("importing DeepSpeed"))
     reason = deepspeed_unavailable()
     if reason is not None:
-        return None, f"DeepSpeed is not importable ({reason}); pip install 'evenzero[deepspeed]'"
+        return None, f"DeepSpeed is not importable ({reason}); {DEEPSPEED_INSTALL}"
+    ctx.emit(Status(f"building {name} (deepspeed.initialize)"))
     m = config.model
     system = DeepSpeedSystem(name, DeepSpeedSeedModel(m, groups.ep_rank).to(ctx.device), seed_loss,
                              micro_batch=m.tokens_per_rank,

@@ -11,9 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from evenzero.repro.gptmodel import GPT_SIZES, GPTConfig
@@ -52,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          default_systems=DEFAULT_SYSTEMS, bucket_numel=DEFAULT_BUCKET_NUMEL)
     parser.add_argument("--model", default="bench-50m", choices=sorted(GPT_SIZES),
                         help="decoder size (default bench-50m, 59M params)")
-    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--json", help="write the results here")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -62,36 +60,45 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Run the benchmark and print it; errors are raised for `evenzero.cli` to print."""
+    from evenzero.commands import CommandError, UsageError, output_path, write_failed
     from evenzero.repro.localrun import LaunchError, LaunchOptions, launch
+    from evenzero.repro.progress import JobProgress
 
     try:
         config = config_from_args(args)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from None
+    json_path = output_path("--json", args.json) if args.json else None
     try:
-        report = launch(bench_worker, config,
-                        LaunchOptions(config.world_size, config.backend, config.timeout_s))
+        with JobProgress(config.world_size) as shown:
+            report = launch(bench_worker, config,
+                            LaunchOptions(config.world_size, config.backend, config.timeout_s),
+                            shown)
     except LaunchError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        raise CommandError(str(e)) from None
     print_bench(report)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.json}")
+    if json_path is not None:
+        try:
+            json_path.write_text(json.dumps(report, indent=1))
+        except OSError as e:
+            raise write_failed("--json", json_path, e) from None
+        print(f"wrote {json_path}")
     return 0
 
 
 def bench_worker(ctx, config: BenchConfig) -> dict[str, Any]:
     from evenzero.plan_report import collective_record as record
     from evenzero.repro.gptmodel import gpt_batch
+    from evenzero.repro.progress import Planned, StepDone
     from evenzero.repro.sidebyside import InterleaveOptions, run_interleaved
 
     systems, skipped = dense_systems(ctx, config)
+    ctx.emit(Planned(tuple(s.name for s in systems), config.steps, config.warmup))
     results = run_interleaved(
         systems, lambda step: gpt_batch(config.model, step, ctx.rank, ctx.world_size),
         InterleaveOptions(config.steps, config.warmup, ctx.device, time_forward=True),
-        on_step=lambda name, step: ctx.emit((name, step)))
+        on_step=lambda name, step: ctx.emit(StepDone(name, step)))
     return {
         "world_size": ctx.world_size, "backend": ctx.backend, "config": dataclasses.asdict(config),
         "numel": config.model.numel(),
@@ -106,8 +113,13 @@ def bench_worker(ctx, config: BenchConfig) -> dict[str, Any]:
 def dense_systems(ctx, config: BenchConfig) -> tuple[list, list[dict]]:
     """Each requested system around its own copy of the same GPT."""
     from evenzero.repro.baselines import DDPSystem, FSDP2System
-    from evenzero.repro.deepspeed_runner import DeepSpeedSystem, deepspeed_unavailable
+    from evenzero.repro.deepspeed_runner import (
+        DEEPSPEED_INSTALL,
+        DeepSpeedSystem,
+        deepspeed_unavailable,
+    )
     from evenzero.repro.gptmodel import GPT, blocks, gpt_loss
+    from evenzero.repro.progress import Status
     from evenzero.repro.sidebyside import EvenzeroSystem
 
     def model():
@@ -115,6 +127,7 @@ def dense_systems(ctx, config: BenchConfig) -> tuple[list, list[dict]]:
 
     systems, skipped = [], []
     for name in config.systems:
+        ctx.emit(Status(f"building {name}"))
         if name in ("evenzero", "deepspeed-0.6-schedule"):
             systems.append(EvenzeroSystem(
                 name, model(), gpt_loss, strategy="evenzero" if name == "evenzero" else "deepspeed-0.6",
@@ -126,7 +139,8 @@ def dense_systems(ctx, config: BenchConfig) -> tuple[list, list[dict]]:
         else:
             reason = deepspeed_unavailable()
             if reason is not None:
-                skipped.append({"name": name, "reason": f"DeepSpeed is not importable ({reason})"})
+                skipped.append({"name": name, "reason": f"DeepSpeed is not importable ({reason}); "
+                                                        f"{DEEPSPEED_INSTALL}"})
                 continue
             systems.append(DeepSpeedSystem(name, model(), gpt_loss,
                                            micro_batch=config.model.batch_per_rank,
@@ -157,7 +171,7 @@ def print_bench(report: dict[str, Any]) -> None:
                   _clipped(condensed([c["numel"] for c in calls]), 60), f"{diff:.1e}")
     console.print(t)
     for s in report.get("skipped", []):
-        console.print(f"skipped {s['name']}: {s['reason']}")
+        console.print(f"skipped {s['name']}: {s['reason']}", markup=False)
 
 
 def _clipped(text: str, width: int) -> str:

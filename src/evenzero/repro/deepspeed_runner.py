@@ -31,6 +31,12 @@ from evenzero.repro.capture import CaptureOptions, CollectiveCapture
 from evenzero.repro.seedmodel import SeedModelConfig, seed_weights
 from evenzero.repro.sidebyside import Batch, LossFn
 
+DEEPSPEED_VERSION = "0.19.8"
+"""The DeepSpeed the `deepspeed` extra pins and CI runs (pyproject.toml, .ci/run)."""
+DEEPSPEED_INSTALL = (f"install it without compiled ops: DS_BUILD_OPS=0 pip install "
+                     f"\"deepspeed=={DEEPSPEED_VERSION}\"")
+"""The hint shown when DeepSpeed is missing; plain text, so rich must not parse it."""
+
 
 def deepspeed_unavailable() -> str | None:
     """None when DeepSpeed can be imported, else the reason (shown to the user)."""

@@ -20,9 +20,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+MAX_LOCAL_RANKS = 64
+"""Most local ranks a job spawns: each is a process with its own torch (~300 MB)."""
+MAX_STEPS = 100_000
+"""Most steps per system a side-by-side job takes (results are kept per step)."""
+
 
 class LaunchError(RuntimeError):
     """A rank failed or the job ran past its time limit; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class RanksJoined:
+    """Sent to `on_event` by the launcher each time a rank has joined the process group."""
+
+    joined: int
+    world_size: int
 
 
 @dataclass(frozen=True)
@@ -74,7 +87,9 @@ def resolve_backend(requested: str, world_size: int) -> str:
 
 def launch(worker: Callable[[RankContext, Any], Any], payload: Any, options: LaunchOptions,
            on_event: Callable[[Any], None] | None = None) -> Any:
-    """Run `worker` on `options.world_size` ranks; return rank 0's result."""
+    """Run `worker` on `options.world_size` ranks; return rank 0's result.
+
+    `on_event` receives what rank 0 emits, and a `RanksJoined` each time a rank is up."""
     import torch.multiprocessing as mp
 
     if options.world_size < 1:
@@ -94,6 +109,7 @@ def launch(worker: Callable[[RankContext, Any], Any], payload: Any, options: Lau
     deadline = time.monotonic() + options.timeout_s
     result: Any = None
     finished: set[int] = set()
+    joined = 0
     try:
         while len(finished) < options.world_size:
             if time.monotonic() > deadline:
@@ -106,6 +122,10 @@ def launch(worker: Callable[[RankContext, Any], Any], payload: Any, options: Lau
                 continue
             if kind == "event" and on_event is not None:
                 on_event(data)
+            elif kind == "joined":
+                joined += 1
+                if on_event is not None:
+                    on_event(RanksJoined(joined, options.world_size))
             elif kind == "done":
                 finished.add(rank)
                 if rank == 0:
@@ -168,6 +188,7 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, threads: int
             device = f"cuda:{rank}"
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 device_id=torch.device(device) if backend == "nccl" else None)
+        events.put(("joined", rank, None))
         context = RankContext(rank, world_size, backend, device, events)
         result = worker(context, payload)
         events.put(("done", rank, result if rank == 0 else None))
@@ -184,14 +205,18 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, threads: int
 def add_launch_arguments(parser: Any, *, world_size: int, steps: int, systems: tuple[str, ...],
                          default_systems: tuple[str, ...], bucket_numel: int) -> None:
     """The options every side-by-side command shares (`evenzero repro`, `evenzero bench`)."""
-    parser.add_argument("--world-size", type=int, default=world_size,
-                        help=f"local ranks (default {world_size})")
-    parser.add_argument("--steps", type=int, default=steps,
+    from evenzero.commands import int_in
+    from evenzero.spec import MAX_NUMEL
+
+    parser.add_argument("--world-size", type=int_in(1, MAX_LOCAL_RANKS, "local processes"),
+                        default=world_size, help=f"local ranks (default {world_size})")
+    parser.add_argument("--steps", type=int_in(1, MAX_STEPS), default=steps,
                         help=f"measured steps per system (default {steps})")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
+    parser.add_argument("--warmup", type=int_in(0, MAX_STEPS), default=2,
+                        help="untimed warm-up steps (default 2)")
     parser.add_argument("--systems", default=",".join(default_systems),
                         help=f"comma-separated subset of {', '.join(systems)}")
-    parser.add_argument("--bucket-numel", type=int, default=bucket_numel,
+    parser.add_argument("--bucket-numel", type=int_in(0, MAX_NUMEL), default=bucket_numel,
                         help=f"evenzero bucket size in elements (default {bucket_numel}; "
                              f"0 = the runtime's default)")
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
@@ -200,7 +225,7 @@ def add_launch_arguments(parser: Any, *, world_size: int, steps: int, systems: t
 
 def parse_launch_arguments(args: Any, systems: tuple[str, ...]) -> tuple[str, ...]:
     """Validate the shared options; returns the chosen systems. Raises ValueError."""
-    chosen = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    chosen = tuple(dict.fromkeys(s.strip() for s in args.systems.split(",") if s.strip()))
     unknown = [s for s in chosen if s not in systems]
     if unknown or not chosen:
         raise ValueError(f"--systems: unknown system(s) {unknown}; choose from {', '.join(systems)}")

@@ -7,8 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from evenzero.cost import bytes_sent_per_rank
+from evenzero.planview import human_bytes
 from evenzero.repro import EXACT_SYSTEMS, LOSS_RTOL
 
 REFERENCE = "evenzero"
@@ -25,7 +28,8 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> bool
                   f"{report['world_size']} ranks, {report['backend']}; "
                   f"{report['config']['steps']} measured steps, {report['config']['warmup']} warm-up")
     for s in report.get("skipped", []):
-        console.print(f"[yellow]skipped {s['name']}[/yellow]: {s['reason']}")
+        # The reason holds an install hint with [brackets]: print it as text, not markup.
+        console.print(f"[yellow]skipped {escape(s['name'])}[/yellow]: {escape(s['reason'])}")
     console.print(collectives_table(systems))
     seed = next((s for s in systems if s["name"] == "deepspeed-0.6-schedule"), None)
     if seed is not None:
@@ -65,7 +69,7 @@ def collectives_table(systems: list[dict]) -> Table:
         calls = s["backward_collectives"]
         ops = Counter(f"{c['op']}/{c['group_size']}" for c in calls)
         roots = [c["root"] for c in calls if c["root"] is not None]
-        t.add_row(s["name"], str(len(calls)),
+        t.add_row(escape(s["name"]), str(len(calls)),
                   ", ".join(f"{n} {op}" for op, n in ops.items()),
                   condensed([c["numel"] for c in calls]),
                   " ".join(map(str, roots)) or "-",
@@ -104,7 +108,7 @@ def time_table(systems: list[dict]) -> Table:
     for s in systems:
         ms = s["step_ms"]
         ratio = s["median_step_ms"] / ref if ref else float("nan")
-        t.add_row(s["name"], f"{s['median_step_ms']:.1f}", f"{min(ms):.1f}", f"{max(ms):.1f}",
+        t.add_row(escape(s["name"]), f"{s['median_step_ms']:.1f}", f"{min(ms):.1f}", f"{max(ms):.1f}",
                   f"{ratio:.2f}")
     return t
 
@@ -113,7 +117,7 @@ def loss_table(systems: list[dict]) -> Table:
     t = Table(title="Loss per step (mean over ranks; warm-up steps included)")
     t.add_column("step", justify="right")
     for s in systems:
-        t.add_column(s["name"], justify="right")
+        t.add_column(escape(s["name"]), justify="right")
     steps = len(systems[0]["losses"]) if systems else 0
     for i in range(steps):
         t.add_row(str(i), *(f"{s['losses'][i]:.7f}" for s in systems))
@@ -139,10 +143,10 @@ def loss_agreement(systems: list[dict]) -> tuple[bool, list[str]]:
             passed = diff <= LOSS_RTOL
             ok &= passed
             verdict = "[green]PASS[/green]" if passed else "[red]FAIL[/red]"
-            lines.append(f"losses {s['name']} vs evenzero: max relative difference {diff:.2e} "
+            lines.append(f"losses {escape(s['name'])} vs evenzero: max relative difference {diff:.2e} "
                          f"(limit {LOSS_RTOL:.0e}) {verdict}")
         else:
-            lines.append(f"losses {s['name']} vs evenzero: first step {first:.2e}, all steps "
+            lines.append(f"losses {escape(s['name'])} vs evenzero: first step {first:.2e}, all steps "
                          f"{diff:.2e} (DeepSpeed's own MoE layer, gate set to match ours; "
                          f"informational)")
     return ok, lines
@@ -168,24 +172,65 @@ def _median_of(systems: list[dict], name: str) -> float | None:
     return None
 
 
+OP_MARKERS = {"reduce_scatter": "o", "reduce": "v", "all_reduce": "s", "all_gather": "^"}
+OP_LABELS = {"reduce_scatter": "reduce-scatter: sends (n-1)/n x size",
+             "reduce": "reduce: sends 1 x size",
+             "all_reduce": "all-reduce: sends 2(n-1)/n x size",
+             "all_gather": "all-gather: sends (n-1)/n x size"}
+
+
+def sent_bytes(system: dict) -> float:
+    """Bytes one rank sends in the system's backward collectives (ring algorithms)."""
+    return sum(bytes_sent_per_rank(c["op"], c["group_size"], c["numel"] * c.get("itemsize", 4))
+               for c in system["backward_collectives"])
+
+
+def system_label(system: dict) -> str:
+    calls = system["backward_collectives"]
+    ops = Counter(c["op"] for c in calls)
+    kinds = ", ".join(f"{n} {op.replace('_', '-')}" for op, n in ops.items())
+    return f"{system['name']}: {kinds or 'no calls'}, {human_bytes(sent_bytes(system))}"
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
     """Two panels: message size per backward call, and median step time per system."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     systems = report["systems"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
+    # Colour = system, marker = collective type: fewer calls is not better when each call
+    # is an all-reduce that sends twice what a reduce-scatter of the same size sends.
     for k, s in enumerate(systems):
-        sizes = [c["numel"] for c in s["backward_collectives"]]
-        calls = range(1, len(sizes) + 1)
-        left.plot(calls, sizes, marker="os^Dv"[k % 5], linestyle="-", label=f"{s['name']} ({len(sizes)})")
+        calls = s["backward_collectives"]
+        # Dodge the systems a little so that equal schedules do not hide each other.
+        shift = 0.08 * (k - (len(systems) - 1) / 2)
+        x = [i + 1 + shift for i in range(len(calls))]
+        colour = f"C{k % 10}"
+        left.plot(x, [c["numel"] for c in calls], color=colour, linestyle="-", linewidth=1)
+        for op, marker in OP_MARKERS.items():
+            mine = [(i, c["numel"]) for i, c in zip(x, calls, strict=True) if c["op"] == op]
+            if mine:
+                left.scatter(*zip(*mine, strict=True), marker=marker, color=colour, s=36,
+                             zorder=3, edgecolors="black", linewidths=0.4)
     left.set_yscale("log")
     left.set_xlabel("backward collective, in issue order")
     left.set_ylabel("message size (elements)")
     left.set_title(f"Backward messages, seed model, {report['world_size']} ranks")
-    left.legend(fontsize=8)
+    system_handles = [Line2D([], [], color=f"C{k % 10}", label=system_label(s))
+                      for k, s in enumerate(systems)]
+    used = {c["op"] for s in systems for c in s["backward_collectives"]}
+    op_handles = [Line2D([], [], color="0.4", marker=m, linestyle="", markeredgecolor="black",
+                         label=OP_LABELS[op]) for op, m in OP_MARKERS.items() if op in used]
+    first = left.legend(handles=system_handles, fontsize=8, loc="upper left",
+                        bbox_to_anchor=(0.0, -0.14), frameon=False,
+                        title="system: backward calls, bytes each rank sends", title_fontsize=8)
+    left.add_artist(first)
+    left.legend(handles=op_handles, fontsize=8, loc="upper right", bbox_to_anchor=(1.0, -0.14),
+                frameon=False, title="marker = collective", title_fontsize=8)
     left.grid(True, which="both", alpha=0.3)
     names = [s["name"] for s in systems]
     med = [s["median_step_ms"] for s in systems]
@@ -198,5 +243,5 @@ def plot(report: dict[str, Any], path: Path) -> None:
     right.set_ylabel("backward+step, ms (median, min-max)")
     right.set_title(f"Step time ({report['backend']})")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the legends sit below the axes
     plt.close(fig)

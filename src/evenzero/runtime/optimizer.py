@@ -246,7 +246,7 @@ class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
         parameters whose scalar state (step counts) only other ranks kept: every rank
         shares what it has (a collective, only once something was stepped)."""
         stepper = MaskedStep(self._inner, self._masters(), self._runs)
-        if self.step_count == 0:
+        if self.step_count == 0 and not getattr(self, "_stepped_outside_step", False):
             return stepper
         mine = {g: self._stepper.param_state(g) for g in self.groups}
         every: list = [None] * self.world_size

@@ -215,6 +215,19 @@ class ShardStateSide:
         """This rank's flat master shard of `group` (padding included, zeros)."""
         return self._group(group).master
 
+    @torch.no_grad()
+    def step_masters_on_zero_grads(self: ZeroOptimizer) -> None:
+        """Step every parameter once on zero gradients (DeepSpeed's stage-0 mixed-precision
+        wrappers do this when built; `evenzero.deepspeed` follows them), then gather the
+        parameters from the masters. DeepSpeed leaves its bf16 weights alone until the
+        first real step; here they follow the masters at once, because a parameter that
+        differs from its master is a user's write (runtime/paramwrites.py) and would
+        undo the step. They differ by at most one bf16 ulp, where the step crossed one."""
+        grads = {name: torch.zeros_like(st.master) for name, st in self.groups.items()}
+        self._stepper.step(grads, set(self._names), set(self.groups))
+        self._stepped_outside_step = True  # step_count stays 0, as in DeepSpeed
+        self.sync_params_from_master()
+
     def group_rank(self: ZeroOptimizer, group: str) -> int:
         return self._group(group).rank
 

@@ -63,9 +63,24 @@ class PlanOptions:
         return None if self.bucket_numel == AUTO else self.bucket_numel
 
 
-def check_world_size(world_size: int) -> None:
+MAX_WORLD_SIZE = 2**17
+"""Largest world size that plans listing a call per rank accept (131,072 ranks).
+
+DeepSpeed's plans issue one reduce (or one all-reduce segment) per piece of a flush that
+lands on one rank, so their size grows with the world: llama-70b's deepspeed-0.6 plan
+has ~130K calls at this bound (~120 MB, about a second), 1M calls at 2**20 (~850 MB), and
+cannot be built at 10**9. The bound is 8x the 16,384 GPUs of Llama 3 405B's pre-training
+job and above every data-parallel group in use. evenzero, Megatron, FSDP2 and DDP plans
+hold one call per bucket and take any world size; `evenzero plan` applies the bound to
+every strategy so that one limit is documented."""
+
+
+def check_world_size(world_size: int, limit: int | None = None) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"world size must be a positive integer, got {world_size!r}")
+    if limit is not None and world_size > limit:
+        raise PlanError(f"world size {world_size:,} is over the {limit:,} ranks that can be "
+                        f"planned (its plan lists calls per rank); plan at most {limit:,}")
 
 
 def group_infos(spec: ModelSpec, world_size: int) -> tuple[GroupInfo, ...]:
@@ -85,11 +100,11 @@ def group_infos(spec: ModelSpec, world_size: int) -> tuple[GroupInfo, ...]:
 
 
 def group_dtype(spec: ModelSpec, group: str) -> str:
-    dtypes = {p.dtype for p in spec.group_params(group)}
+    dtypes = spec.group_dtypes(group)
     if len(dtypes) > 1:
-        raise PlanError(f"group {group!r} mixes parameter dtypes {sorted(dtypes)}; "
+        raise PlanError(f"group {group!r} mixes parameter dtypes {list(dtypes)}; "
                         f"put each dtype in its own group")
-    return dtypes.pop()
+    return dtypes[0]
 
 
 def message_itemsize(spec: ModelSpec, group: str, options: PlanOptions) -> int:
@@ -136,4 +151,4 @@ def check_has_params(spec: ModelSpec) -> None:
                         "(or check requires_grad)")
 
 
-__all__ = ["AUTO", "BACKWARD", "STEP", "PlanOptions", "group_infos"]
+__all__ = ["AUTO", "BACKWARD", "MAX_WORLD_SIZE", "STEP", "PlanOptions", "group_infos"]

@@ -38,9 +38,11 @@ from collections.abc import Callable
 from evenzero.plan import BACKWARD, STEP, Collective, Execution, Plan
 from evenzero.spec import ModelSpec
 from evenzero.strategies.common import (
+    MAX_WORLD_SIZE,
     PlanOptions,
     all_gathers,
     check_has_params,
+    check_world_size,
     group_infos,
     message_itemsize,
 )
@@ -139,6 +141,7 @@ def reduce_per_destination(spec: ModelSpec, zero: ZeroPartitioning, limit: int,
 def plan_with(strategy: str, dispatch: Dispatch, spec: ModelSpec, world_size: int,
               options: PlanOptions) -> Plan:
     check_has_params(spec)
+    check_world_size(world_size, MAX_WORLD_SIZE)  # one call per rank piece: bounded memory
     infos = group_infos(spec, world_size)
     limit = options.fixed_bucket_numel or DEFAULT_REDUCE_BUCKET_SIZE
     zero = partition_zero(spec, infos, world_size, limit, options.round_robin)

@@ -1,0 +1,353 @@
+"""`DeepSpeedEngine`: DeepSpeed's training-loop contract on top of `ZeroOptimizer`.
+
+What a script sees follows deepspeed/runtime/engine.py@0.19.8:
+
+* `engine(*a, **kw)` runs the module; its outputs get a gradient hook dividing by
+  `gradient_accumulation_steps`, so a plain `loss.backward()` accumulates like
+  `engine.backward(loss)` (deepspeed/runtime/engine.py:3179-3187).
+* `backward(loss)` divides the loss by the accumulation steps on every micro-batch,
+  multiplies it by the fp16 loss scale and runs backward; it returns the divided loss.
+  At stages 0/1 the micro-batches before the boundary accumulate locally (no
+  communication, like DeepSpeed's stage 0/1); at stage 2 every micro-batch is reduced,
+  one equal reduce-scatter per bucket, as DeepSpeed's stage 2 reduces every micro-batch.
+* `step()` counts a micro-step; at a boundary (`(micro_steps + 1) % gas == 0`) it clips,
+  unscales and steps (`evenzero.deepspeed.boundary`), zeroes the gradients, steps the LR
+  schedule unless the step overflowed, and advances `global_steps`/`global_samples`
+  (also on overflow, as DeepSpeed does).
+
+The module, optimizer and data loader are set up in `evenzero.deepspeed.setup`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from evenzero.deepspeed.boundary import StepPolicy, boundary_step
+from evenzero.deepspeed.config import EngineConfig
+from evenzero.deepspeed.engine_optimizer import EngineOptimizer
+from evenzero.deepspeed.launch import Placement
+from evenzero.deepspeed.log import logger
+
+
+class DeepSpeedEngine(torch.nn.Module):
+    """Built by `evenzero.deepspeed.initialize`; see the module docstring."""
+
+    def __init__(self, module: torch.nn.Module, config: EngineConfig, place: Placement,
+                 optimizer: EngineOptimizer | None, lr_scheduler: Any,
+                 training_dataloader: Any, policy: StepPolicy, optimizer_name: str | None,
+                 moe_layers: int = 0, num_experts: list[int] | None = None) -> None:
+        super().__init__()
+        self._modules["module"] = module
+        self.__dict__["module"] = module
+        self.__dict__["_config"] = config
+        self.config = dict(config.raw)
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.training_dataloader = training_dataloader
+        self._policy = policy
+        self._optimizer_name = optimizer_name
+        self.local_rank, self.global_rank = place.local_rank, place.global_rank
+        self.world_size = self.dp_world_size = place.world_size
+        self.mp_world_size = 1
+        self.device = place.device
+        self.has_moe_layers = moe_layers > 0
+        self.num_experts = list(num_experts or [])
+        self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
+        self._step_applied = False
+        self._global_grad_norm: Any = None
+        self._is_gradient_accumulation_boundary: bool | None = None
+        self._in_engine_backward = False
+        self._manual_backward_expected = False
+        self.inside_no_sync_ctxt = False
+        if self.optimizer is not None:
+            self._report_progress(0)
+
+    # ------------------------------------------------------------------ config accessors
+
+    def train_batch_size(self) -> int:
+        return self._config.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._config.batch.micro_batch_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._config.batch.gradient_accumulation_steps
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        return (self.train_batch_size(), self.train_micro_batch_size_per_gpu(),
+                self.gradient_accumulation_steps())
+
+    def zero_optimization(self) -> bool:
+        return self._config.zero.stage > 0
+
+    def zero_optimization_stage(self) -> int:
+        return self._config.zero.stage
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self._config.zero.stage >= 2
+
+    def fp16_enabled(self) -> bool:
+        return self._config.precision.fp16
+
+    def bfloat16_enabled(self) -> bool:
+        return self._config.precision.bf16
+
+    def fp16_auto_cast(self) -> bool:
+        return self._config.precision.auto_cast
+
+    def dynamic_loss_scale(self) -> bool:
+        return self._config.precision.dynamic_loss_scale
+
+    def loss_scale(self) -> float:
+        return self._config.precision.loss_scale
+
+    def gradient_clipping(self) -> float:
+        return self._policy.clip
+
+    def steps_per_print(self) -> int | None:
+        return self._config.steps_per_print
+
+    def optimizer_name(self) -> str | None:
+        return self._optimizer_name
+
+    def scheduler_name(self) -> str | None:
+        return self._config.scheduler.type if self._config.scheduler else None
+
+    def communication_data_type(self) -> torch.dtype:
+        names = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+        if self._config.communication_data_type:
+            return names[self._config.communication_data_type]
+        return torch.float16 if self.fp16_enabled() else (
+            torch.bfloat16 if self.bfloat16_enabled() else torch.float32)
+
+    def get_data_parallel_rank(self) -> int:
+        return self.global_rank
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    # ------------------------------------------------------------------ optimizer state
+
+    @property
+    def zero(self) -> Any:
+        """The `evenzero.ZeroOptimizer` (plan, trace, memory_report, ...)."""
+        return self.optimizer.zero if self.optimizer is not None else None
+
+    def get_lr(self) -> list:
+        return self._optimizer_param("lr")
+
+    def get_mom(self) -> list:
+        if self._optimizer_name in ("SGD", "RMSprop"):
+            return self._optimizer_param("momentum")
+        return self._optimizer_param("betas")
+
+    def _optimizer_param(self, key: str) -> list:
+        if self.optimizer is None:
+            return []
+        return [g.get(key, 0.0) for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> Any:
+        return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    # ------------------------------------------------------------------ forward / backward
+
+    def train(self, mode: bool = True) -> DeepSpeedEngine:
+        self.training = mode
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> DeepSpeedEngine:
+        return self.train(False)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.fp16_auto_cast():
+            inputs = _cast_half(inputs)
+        out = self.module(*inputs, **kwargs)
+        if self.optimizer is not None and torch.is_grad_enabled():
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(self._output_grad)
+        return out
+
+    def _output_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """A backward through this forward's outputs that `engine.backward` did not start:
+        divide by the accumulation steps, as DeepSpeed's output hooks do."""
+        if self._in_engine_backward:
+            return grad
+        if self.dynamic_loss_scale() and not self._manual_backward_expected:
+            raise RuntimeError("Loss scaling is required for this configuration, but backward() "
+                               "was called directly without scaling the loss. Please use one of "
+                               "the following: 1. engine.backward(loss) 2. "
+                               "engine.scale(loss).backward()")
+        return grad / self.gradient_accumulation_steps()
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss times the fp16 loss scale, for `engine.scale(loss).backward()`."""
+        self._require_optimizer("scale")
+        _check_loss(loss)
+        self._manual_backward_expected = True
+        return self.zero.scale_loss(loss)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False,
+                 scale_wrt_gas: bool = True) -> torch.Tensor:
+        self._require_optimizer("backward")
+        _check_loss(loss)
+        if scale_wrt_gas:
+            loss = loss / self.gradient_accumulation_steps()
+        gas_scaled = loss
+        scaled = self.zero.scale_loss(loss)
+        local = (self.inside_no_sync_ctxt or
+                 (self._config.zero.stage < 2 and not self.is_gradient_accumulation_boundary()))
+        self._in_engine_backward = True
+        try:
+            if local and not self.inside_no_sync_ctxt:
+                with self.zero.no_sync():
+                    scaled.backward(retain_graph=retain_graph)
+            else:
+                scaled.backward(retain_graph=retain_graph)
+        finally:
+            self._in_engine_backward = False
+        return gas_scaled
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate without communication (stages 0 and 1)."""
+        if self.zero_optimization_partition_gradients():
+            raise AssertionError(f"no_sync context manager is incompatible with gradient "
+                                 f"partitioning logic of ZeRO stage {self._config.zero.stage}")
+        if self.inside_no_sync_ctxt:
+            raise AssertionError("no_sync context manager reentry is unsupported")
+        self.inside_no_sync_ctxt = True
+        try:
+            with self.zero.no_sync():
+                yield
+        finally:
+            self.inside_no_sync_ctxt = False
+
+    # ------------------------------------------------------------------ step
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._is_gradient_accumulation_boundary is not None:
+            return self._is_gradient_accumulation_boundary
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self._is_gradient_accumulation_boundary = is_boundary
+
+    def zero_grad(self) -> None:
+        """Drop the parameters' local gradients (DeepSpeed's `engine.zero_grad`)."""
+        for p in self.module.parameters():
+            p.grad = None
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        if self.inside_no_sync_ctxt:
+            raise AssertionError("It is illegal to call Engine.step() inside no_sync context "
+                                 "manager")
+        self._require_optimizer("step")
+        self._step_applied = False
+        if self.is_gradient_accumulation_boundary():
+            self._take_model_step(lr_kwargs)
+        self._manual_backward_expected = False
+        self.micro_steps += 1
+
+    def _take_model_step(self, lr_kwargs: dict | None) -> None:
+        outcome = boundary_step(self.zero, self.optimizer.loss_scaler, self._policy,
+                                self.global_steps + 1)
+        self.zero.zero_grad()
+        self.optimizer.overflow = outcome.overflow
+        self._step_applied = not outcome.overflow
+        if not self._policy.stage0:
+            self._global_grad_norm = (float("inf") if outcome.overflow
+                                      else torch.tensor(outcome.norm, dtype=torch.float32))
+        if outcome.overflow:
+            self.skipped_steps += 1
+        elif self.lr_scheduler is not None:
+            try:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            except TypeError:
+                # deepspeed/runtime/engine.py@0.19.8:3546: Megatron-style schedules
+                self.lr_scheduler.step(self.train_batch_size())
+        spp = self.steps_per_print()
+        if spp is not None and (self.global_steps + 1) % spp == 0:
+            self._report_progress(self.global_steps + 1)
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+
+    def _report_progress(self, step: int) -> None:
+        if self.global_rank == 0:
+            logger.info("step=%s, skipped=%s, lr=%s, mom=%s", step, self.skipped_steps,
+                        self.get_lr(), self.get_mom())
+
+    def _require_optimizer(self, what: str) -> None:
+        if self.optimizer is None:
+            raise AssertionError(f"must provide optimizer during init in order to use {what}")
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        from evenzero.deepspeed.checkpointing import save_engine
+
+        return save_engine(self, save_dir, tag, client_state or {}, save_latest,
+                           exclude_frozen_parameters)
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn: Any = None):
+        from evenzero.deepspeed.checkpointing import load_engine
+
+        return load_engine(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                           load_lr_scheduler_states, load_module_only, custom_load_fn)
+
+    # ------------------------------------------------------------------ module passthrough
+
+    def __getattr__(self, name: str) -> Any:
+        """Attributes of the wrapped module, as DeepSpeed's engine passes them through."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("module")
+            if module is not None:
+                try:
+                    return getattr(module, name)
+                except AttributeError:
+                    pass
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute "
+                                 f"'{name}'") from None
+
+    def destroy(self) -> None:
+        """Nothing to release (DeepSpeed frees its buffers here)."""
+
+
+def _check_loss(loss: Any) -> None:
+    if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.grad_fn is not None):
+        raise AssertionError("loss must be a scalar tensor. If you need to pass output "
+                             "gradients, backward() of output tensors")
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _cast_half(value: Any) -> Any:
+    """fp16 `auto_cast`: floating inputs to half (deepspeed/runtime/engine.py@0.19.8:3039)."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_half(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_half(v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.half()
+    return value

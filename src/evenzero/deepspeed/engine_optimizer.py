@@ -1,0 +1,88 @@
+"""The `optimizer` that `initialize` returns: DeepSpeed hands scripts its ZeRO wrapper
+(`DeepSpeedZeroOptimizer`), whose `param_groups` are the torch optimizer's and whose
+`loss_scale`/`cur_scale` is the fp16 scale. This is that view over a `ZeroOptimizer`;
+the engine's `step()` does the stepping, as in DeepSpeed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from evenzero.deepspeed.loss_scaler import DeepSpeedLossScaler
+from evenzero.runtime.shardedgrad import ShardedGrad
+
+
+class EngineOptimizer:
+    """`engine.optimizer`: param groups, state and loss scale of the sharded optimizer."""
+
+    def __init__(self, zero: Any, scaler: DeepSpeedLossScaler) -> None:
+        self.zero = zero
+        """The `evenzero.ZeroOptimizer` doing the work (plan, trace, memory_report, ...)."""
+        self.loss_scaler = scaler
+        self.client: torch.optim.Optimizer | None = None
+        """The optimizer object the script passed to `initialize`, if any."""
+        self.overflow = False
+        """Whether the last boundary step found non-finite gradients (and was skipped)."""
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer (DeepSpeed's `basic_optimizer`): the client's optimizer
+        object when one was passed (it shares the `ZeroOptimizer`'s `param_groups`), else
+        the `ZeroOptimizer`. Its state is sharded over the ranks (`ZeroOptimizer.state_dict`)."""
+        return self.client if self.client is not None else self.zero
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.zero.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.zero.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.zero.defaults
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.loss_scaler.dynamic
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the parameters' local gradients only, as DeepSpeed's ZeRO optimizer does
+        (deepspeed/runtime/zero/stage_1_and_2.py@0.19.8:2613): gradients already reduced
+        into this rank's shards in this accumulation window are kept, so a script calling
+        `optimizer.zero_grad()` after every micro-step accumulates as under DeepSpeed."""
+        for p in self.zero.params.values():
+            if isinstance(p.grad, ShardedGrad):
+                continue  # reduced already: it stands for this rank's shard, which is kept
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.detach_()
+                p.grad.zero_()
+
+    def step(self, closure=None) -> None:
+        raise RuntimeError("call engine.step() (it steps this optimizer at accumulation "
+                           "boundaries, clips and applies the loss scale), not optimizer.step()")
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        raise RuntimeError("call engine.backward(loss), not optimizer.backward(loss)")
+
+    def state_dict(self) -> dict:
+        raise RuntimeError("the optimizer state is sharded across ranks; save it with "
+                           "engine.save_checkpoint(dir) (or evenzero.checkpoint.save)")
+
+    def load_state_dict(self, state: dict) -> None:
+        raise RuntimeError("load optimizer state with engine.load_checkpoint(dir)")
+
+    def __repr__(self) -> str:
+        return f"EngineOptimizer({type(self.optimizer).__name__}, stage={self.zero.config.stage})"
