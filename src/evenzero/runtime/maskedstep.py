@@ -266,17 +266,25 @@ class MaskedStep:
         return {n: {k: _clone(v) for k, v in cls.scalars.items()}
                 for n, cls in self.class_of[group].items()}
 
-    def load_param_state(self, group: str, states: Mapping[str, Mapping[str, Any]]) -> None:
-        """Restore per-parameter scalar state; `{}` means never stepped. Parameters
-        with equal state share a class, so a uniform state steps on the fast path."""
+    def stepped(self, group: str) -> set[str]:
+        """Parameters of this shard stepped at least once. `param_state` alone cannot
+        say so for an optimizer without scalar state (SGD with momentum: `{}` either way)."""
+        return {n for n, cls in self.class_of[group].items() if not cls.fresh}
+
+    def load_param_state(self, group: str, states: Mapping[str, Mapping[str, Any]],
+                         stepped: Iterable[str] = ()) -> None:
+        """Restore per-parameter scalar state; `{}` means never stepped, unless the
+        parameter is in `stepped`. Parameters with equal state share a class, so a
+        uniform state steps on the fast path."""
         runs = self.runs[group]
         missing = sorted(set(runs.names) - set(states))
         if missing:
             raise KeyError(f"no optimizer state for parameter(s) {missing[:5]} of group {group!r}")
+        stepped = set(stepped)
         by_key: dict[tuple, StateClass] = {}
         for n in runs.names:
             s = states[n]
-            cls = StateClass(not s, {k: _clone(v) for k, v in s.items()})
+            cls = StateClass(not s and n not in stepped, {k: _clone(v) for k, v in s.items()})
             self.class_of[group][n] = by_key.setdefault(cls.key(), cls)
         self._aliased[group] = None
 
