@@ -78,7 +78,9 @@ class BackwardSide:
         life = self._life
         rec = life.record
         rec.presence[self._index[name]] = 1.0
-        life.note_problem(self._clearing.accumulated(name))
+        problem = self._clearing.accumulated(name)
+        if problem is not None:
+            life.note_problem(problem)
         if rec.stale_layouts and self._prefetch.layout_of(name) in rec.stale_layouts:
             rec.read_early.append(name)
         if life.backward_synced and not life.measuring:
