@@ -87,6 +87,11 @@ def host_case(tiny: bool) -> dict[str, float]:
 
 
 RUNNERS = {"seed": seed_case, "llama": llama_case, "gpt": gpt_case, "host": host_case}
+ALONE = {"seed": "evenzero repro --bucket-numel 0 --systems evenzero,ddp  (8 ranks)",
+         "llama": "python benchmarks/llama_dense.py  (4 ranks)",
+         "gpt": "python benchmarks/gpt_dense.py --bucket-numel 0 --systems evenzero,ddp  (4 ranks)",
+         "host": "python benchmarks/host_overhead.py  (4 ranks)"}
+"""Each case alone, at full size."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {case} | {ez:.1f} | {peer} | {other:.1f} | {ratio:.2f}x | <= {goal}x |")
     print(f"\nall targets met: {'yes' if met else 'no'}"
           f"{' (tiny sizes: meaningless)' if args.tiny else ''}")
+    for case in out:
+        print(f"{case} alone: {ALONE[case]}")
     print(f"command: python {' '.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
