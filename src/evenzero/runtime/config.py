@@ -44,12 +44,13 @@ class ZeroConfig:
     "auto", evenzero's plan uses the size with the shortest predicted step within a
     memory budget (in-flight bucket buffers at most a quarter of the model's gradient
     bytes, within [64 MiB, 1 GiB]: `evenzero.cost.autobucket`): at construction from
-    FLOPs estimates and a cost preset for the device, then refined once, after the
-    first backwards, from their measured gradient-arrival times and a quick
-    calibration of the process groups (well under a second); every rank adopts rank
-    0's choice, and `opt.plan.notes` says which size and why. A number fixes the size
-    (nothing is measured for it). Other strategies ("deepspeed-0.6", ...) read "auto"
-    as their own default."""
+    FLOPs estimates and a cost preset for the device, then refined once, at the end of
+    the second synced backward (the backwards until then reduce at their end, so their
+    gradient-arrival times are pure compute), from those times and a quick calibration
+    of the process groups (well under a second); every rank adopts rank 0's choice.
+    `opt.plan.bucket_numel` is the size in use and `opt.plan.notes[-1]` says why. A
+    number fixes the size (nothing is measured for it). Other strategies
+    ("deepspeed-0.6", ...) read "auto" as their own default."""
     strategy: str | Callable[..., Any] = "evenzero"
     """Planner whose schedule is executed: "evenzero"; "deepspeed-0.6" (or any sharded
     strategy name) to run that schedule in this engine for comparisons; or a callable
