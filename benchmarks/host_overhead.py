@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, s in r["systems"].items():
         print(f"{name:9s} median {s['median_ms']:8.2f} ms  (min {min(s['step_ms']):.2f}, "
               f"max {max(s['step_ms']):.2f})")
-    loss_diff = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ez["losses"], ddp["losses"]))
+    loss_diff = max(abs(a - b) / max(abs(b), 1e-12)
+                    for a, b in zip(ez["losses"], ddp["losses"], strict=True))
     print(f"evenzero / ddp = {ez['median_ms'] / ddp['median_ms']:.2f}x  (goal <= 1.2x; "
           f"losses agree to {loss_diff:.1e} relative)")
     if "profile" in r:

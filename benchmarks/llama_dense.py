@@ -198,7 +198,7 @@ def summary(report: dict) -> list[str]:
     if "evenzero" in s:
         ez = s["evenzero"]["median_ms"]
         ref = s["evenzero"]["losses"]
-        worst = max(abs(a - b) / abs(b) for r in s.values() for a, b in zip(r["losses"], ref))
+        worst = max(abs(a - b) / abs(b) for r in s.values() for a, b in zip(r["losses"], ref, strict=True))
         lines.append(f"  losses agree with evenzero's to {worst:.1e} relative")
         for peer, goal in (("ddp", 1.0), ("fsdp2", 0.85)):
             if peer in s:

@@ -8,11 +8,11 @@ import warnings
 import pytest
 import torch
 
+from dist_helpers import run_distributed
 from evenzero.cost import CostModel, OpCost, Variant
 from evenzero.cost.autobucket import candidate_sizes, choose_bucket_numel
 from evenzero.cost.compute import DeviceCompute
-from evenzero.runtime import autotune
-from evenzero.runtime import backwardclock
+from evenzero.runtime import autotune, backwardclock
 from evenzero.runtime.autotune import decide
 from evenzero.runtime.backwardclock import (
     ArrivalClock,
@@ -22,7 +22,6 @@ from evenzero.runtime.backwardclock import (
 )
 from evenzero.spec import ModelSpec, ParamSpec
 from evenzero.strategies import PlanOptions
-from dist_helpers import run_distributed
 
 DEVICE = DeviceCompute("test", tflops=1.0, memory_gbs=1e3, optimizer_bytes_per_element=1.0)
 

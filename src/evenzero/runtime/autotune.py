@@ -43,7 +43,7 @@ from evenzero.cost.compute import DeviceCompute
 from evenzero.runtime.backwardclock import BackwardTiming, measured_profile
 from evenzero.runtime.collectives import broadcast
 from evenzero.spec import ModelSpec
-from evenzero.strategies.common import PlanOptions
+from evenzero.strategies import PlanOptions
 
 QUICK_SIZES = {"cpu": (2**12, 2**16, 2**20), "cuda": (2**16, 2**20, 2**24)}
 """Message sizes (elements) of the quick calibration, by device type: latency-bound to

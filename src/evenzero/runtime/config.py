@@ -12,7 +12,7 @@ import torch
 from evenzero.runtime.checks import ZeroConfigError
 from evenzero.runtime.collectives import REDUCE_SCATTER_ALGORITHMS
 from evenzero.runtime.precision import LossScaleConfig, as_dtype
-from evenzero.strategies.common import AUTO
+from evenzero.strategies import AUTO
 
 # Each rank steps only its flat 1/N shard, which equals stepping every parameter only if
 # the update of an element depends on that element's own gradient and state alone.

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from evenzero.runtime.shardruns import ShardRuns
 
@@ -287,6 +288,19 @@ class MaskedStep:
             cls = StateClass(not s and n not in stepped, {k: _clone(v) for k, v in s.items()})
             self.class_of[group][n] = by_key.setdefault(cls.key(), cls)
         self._aliased[group] = None
+
+    def take_state_of(self, previous: MaskedStep, world_group) -> None:
+        """Per-parameter state of `previous` (the stepper of the plan before a re-layout)
+        for these runs. A rank may now own runs of parameters whose scalar state only
+        other ranks kept, so every rank shares what it has: collective over `world_group`."""
+        mine = {g: (previous.param_state(g), previous.stepped(g)) for g in previous.runs}
+        every: list = [None] * dist.get_world_size(world_group)
+        dist.all_gather_object(every, mine, group=world_group)
+        for g, runs in self.runs.items():
+            theirs = [e.get(g, ({}, set())) for e in every]
+            known = {n: s for states, _ in theirs for n, s in states.items()}
+            stepped = set().union(*(done for _, done in theirs))
+            self.load_param_state(g, {n: known.get(n, {}) for n in runs.names}, stepped)
 
     def step_counts(self, group: str) -> dict[str, int]:
         """Per parameter of this shard: how many times it was stepped, where the

@@ -206,9 +206,8 @@ class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
         self._hooks = BackwardHooks(module, setup.named, self)
         self._hooks.record_arrival()
         # bucket_numel "auto": refined once, after the first backwards (backwardclock.py).
-        self._refine = RefinementSchedule(
-            cfg.auto_bucket and cfg.strategy == "evenzero"
-            and any(st.size > 1 for st in self.groups.values()))
+        self._refine = RefinementSchedule(cfg.auto_bucket and cfg.strategy == "evenzero" and
+                                          any(st.size > 1 for st in self.groups.values()))
         self._hooks.clock = self._refine.clock
         # Finished work and hooks are released when this object goes away, at the latest
         # at interpreter exit (runtime/teardown.py), or by close(); nothing the model holds
@@ -255,13 +254,7 @@ class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
         stepper = MaskedStep(self._inner, self._masters(), self._runs)
         if self.step_count == 0 and not getattr(self, "_stepped_outside_step", False):
             return stepper
-        mine = {g: (self._stepper.param_state(g), self._stepper.stepped(g)) for g in self.groups}
-        every: list = [None] * self.world_size
-        dist.all_gather_object(every, mine, group=self.world_group)
-        for g, runs in self._runs.items():
-            known = {n: s for theirs in every for n, s in theirs.get(g, ({}, set()))[0].items()}
-            stepped = set().union(*(theirs.get(g, ({}, set()))[1] for theirs in every))
-            stepper.load_param_state(g, {n: known.get(n, {}) for n in runs.names}, stepped)
+        stepper.take_state_of(self._stepper, self.world_group)
         return stepper
 
     # ------------------------------------------------------------------ backward
