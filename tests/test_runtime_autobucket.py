@@ -14,7 +14,7 @@ import torch
 
 from dist_helpers import CheckResults, run_checks
 from test_runtime_equivalence import ADAMW, SGD, _Probe
-from test_runtime_models import MLP, assert_same_params, mlp_batch, mlp_loss, train_pair
+from test_runtime_models import MLP, assert_same_params, mlp_batch, mlp_loss, part, train_pair
 
 FORCED = 64
 """The size the checks force the refinement to choose: several buckets of the MLP (484
@@ -122,6 +122,42 @@ def check_explicit_size_wins(rank, world):
     assert opt.plan.bucket_numel == 100 and not any("auto" in n for n in opt.plan.notes)
 
 
+def _train_step(model, opt, step, rank, world):
+    x, y = mlp_batch(step, 4 * world)
+    mlp_loss(model, (part(x, rank, world), part(y, rank, world))).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def check_state_dict_carries_the_size(rank, world):
+    """A rank's state dict is laid out for the refined size: an "auto" optimizer that
+    loads it adopts that size (and refines nothing), and goes on exactly alike."""
+    from evenzero import ZeroOptimizer
+
+    torch.manual_seed(0)
+    model = MLP()
+    with _Forced():
+        opt = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2)
+        for step in range(3):
+            _train_step(model, opt, step, rank, world)
+    assert opt.plan.bucket_numel == FORCED
+    opt.wait_for_params()
+    other = MLP()
+    other.load_state_dict(model.state_dict())
+    again = ZeroOptimizer(other, torch.optim.AdamW, lr=1e-2)
+    assert again.plan.bucket_numel != FORCED
+    again.load_state_dict(opt.state_dict())
+    assert again.plan.bucket_numel == FORCED and again.plan.layouts == opt.plan.layouts
+    assert again.plan.notes[-1].endswith("the loaded state dict's")
+    for step in range(3, 6):
+        _train_step(model, opt, step, rank, world)
+        _train_step(other, again, step, rank, world)
+    again.wait_for_params()
+    opt.wait_for_params()
+    assert_same_params(other, model, rtol=0, atol=0)
+    assert again.plan.bucket_numel == FORCED  # nothing refined after the load
+
+
 CHECKS = {
     "relayout_stage1": partial(check_relayout_trains_like_torch, stage=1),
     "relayout_stage2": partial(check_relayout_trains_like_torch, stage=2),
@@ -130,6 +166,7 @@ CHECKS = {
     "timed_backwards": check_timed_backwards_do_not_overlap,
     "real_choice": check_real_choice_is_agreed,
     "explicit_wins": check_explicit_size_wins,
+    "state_dict": check_state_dict_carries_the_size,
 }
 
 

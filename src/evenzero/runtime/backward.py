@@ -137,6 +137,11 @@ class BackwardSide:
         if plan != self.plan:
             self._install(plan, previous=self.plan)
 
+    def _stop_refining(self: ZeroOptimizer) -> None:
+        """The bucket size is fixed from now on (a loaded state dict's)."""
+        self._refine.clock = self._hooks.clock = None
+        self._life.measuring = self._hooks.arrival is not None
+
     def _refine_bucket_size(self: ZeroOptimizer, aborted: bool) -> None:
         """Once enough backwards were timed (`runtime/backwardclock.py`): calibrate, let
         rank 0 choose the bucket size, and re-plan with it on every rank
