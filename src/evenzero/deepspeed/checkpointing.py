@@ -143,6 +143,7 @@ def load_deepspeed_checkpoint(engine: Any, root: Path, tag: str, load_optimizer_
     moments and step, loss scale, scheduler, counters and client_state, read safely by
     `evenzero.checkpoint.load_deepspeed` (nothing of the run is touched if it fails)."""
     from evenzero import checkpoint
+    from evenzero.checkpoint.deepspeed_files import MODEL_STATES
 
     ckpt = checkpoint.load_deepspeed(
         engine.zero, root, tag, load_optimizer_states=load_optimizer_states,
@@ -157,7 +158,9 @@ def load_deepspeed_checkpoint(engine: Any, root: Path, tag: str, load_optimizer_
             # DeepSpeed's ZeRO load restores the saved clip_grad over the config's
             # (deepspeed/runtime/zero/stage_1_and_2.py@0.19.8:3667-3793).
             engine._policy = dataclasses.replace(engine._policy, clip=float(ckpt.clip_grad))
-    return str(ckpt.path), ckpt.client_state
+    # DeepSpeed's load_path is the model-states file (deepspeed/runtime/engine.py@0.19.8:
+    # 4336-4358,4591), not the tag directory.
+    return str(ckpt.path / MODEL_STATES), ckpt.client_state
 
 
 def _optimizer_snapshot(engine: Any) -> tuple[dict, dict]:
