@@ -8,15 +8,18 @@ fresh DeepSpeed engine loads that checkpoint and trains 2 more epochs: the refer
 The same script under evenzero.deepspeed loads the same directory and trains the same
 epochs, at 2 ranks, at 4 (1 accumulation step) and, marked slow, at 1 (4 steps);
 DeepSpeed itself refuses to load a ZeRO checkpoint at another data-parallel size, so
-those are compared with DeepSpeed's 2. Cases: ZeRO-2, ZeRO-1, and fp16 ZeRO-2 with
-dynamic loss scaling (DeepSpeed's CPU fp16 check patched, `deepspeed_ckpt_job.
-deepspeed_rank`). Counters, client state, the path returned, scheduler, LR sequence and
-the fp16 loss scaler (scale, iteration counters, hysteresis) must be DeepSpeed's exactly;
-losses (global mean per optimizer step), gradient norms and final weights to a tolerance.
+those are compared with DeepSpeed's 2. Cases: ZeRO-2, ZeRO-1, fp16 ZeRO-2 with dynamic
+loss scaling (DeepSpeed's CPU fp16 check patched, `deepspeed_ckpt_job.deepspeed_rank`)
+and, marked slow, bf16. Counters, client state, the path returned, scheduler, LR sequence
+and the fp16 loss scaler (scale, iteration counters, hysteresis) must be DeepSpeed's
+exactly; losses (global mean per optimizer step), gradient norms and final weights to a
+tolerance. Resumes load `./<case>` from the checkpoint root as the working directory, so
+the returned path keeps the caller's spelling as DeepSpeed's does.
 
-DeepSpeed trains once per session (`deepspeed_runs`); each world size resumes every case
-in one spawned job. `python tests/test_deepspeed_checkpoint_from_deepspeed.py` prints the
-measured differences.
+DeepSpeed trains once per session (`deepspeed_runs`) and each world size resumes once
+(`_resumed`), each job running only the (case, load) pairs the session selected.
+`python tests/test_deepspeed_checkpoint_from_deepspeed.py [CASE...]` prints the measured
+differences of every pair.
 """
 
 from __future__ import annotations
@@ -54,48 +57,71 @@ def _compared(case: str, load: str, world: int) -> bool:
     return not ("fp16" in case and load != "full" and world != 2)
 
 
-PARAMS = [(c, ld, w) for c in CASES for ld in LOADS for w in WORLDS if _compared(c, ld, w)]
+def _slow(case: str, load: str, world: int) -> bool:
+    """The default run keeps the three jobs it needs anyway (DeepSpeed at 2, evenzero at 2
+    and 4) small: every load at 2 ranks and the full load at 4, for ZeRO-2, ZeRO-1, fp16."""
+    return case == "resume_bf16" or world == 1 or (world == 4 and load != "full")
 
 
-def _deepspeed_job(rank: int, world: int, cases: tuple[str, ...], root: str) -> dict:
+PARAMS = [pytest.param(c, ld, w, marks=[pytest.mark.slow] if _slow(c, ld, w) else [])
+          for c in CASES for ld in LOADS for w in WORLDS if _compared(c, ld, w)]
+Pairs = tuple[tuple[str, str], ...]
+
+
+def _deepspeed_job(rank: int, world: int, pairs: Pairs, root: str) -> dict:
     from deepspeed_ckpt_job import deepspeed_rank
 
     import ds_train_script as script
 
     deepspeed = deepspeed_rank(rank, world, fp16=True)
-    out = {}
-    for case in cases:
-        out[case] = {"saved": script.save_and_continue(deepspeed, case,
-                                                       os.path.join(root, case))}
-        for load, options in LOADS.items():
-            out[case][load] = script.resume(deepspeed, case, os.path.join(root, case), **options)
+    os.chdir(root)
+    out: dict = {}
+    for case, load in pairs:
+        if case not in out:
+            out[case] = {"saved": script.save_and_continue(deepspeed, case, f"./{case}")}
+        out[case][load] = script.resume(deepspeed, case, f"./{case}", **LOADS[load])
     return out
 
 
-def _evenzero_job(rank: int, world: int, cases: tuple[str, ...], root: str) -> dict:
+def _evenzero_job(rank: int, world: int, pairs: Pairs, root: str) -> dict:
     os.environ["LOCAL_RANK"] = str(rank)
     import ds_train_script as script
 
     deepspeed = script.load_deepspeed("evenzero")
-    return {case: {load: script.resume(deepspeed, case, os.path.join(root, case), **options)
-                   for load, options in LOADS.items()} for case in cases}
+    os.chdir(root)
+    out: dict = {}
+    for case, load in pairs:
+        out.setdefault(case, {})[load] = script.resume(deepspeed, case, f"./{case}",
+                                                       **LOADS[load])
+    return out
 
 
 @pytest.fixture(scope="session")
-def deepspeed_runs(tmp_path_factory) -> tuple[str, dict]:
+def selected(request) -> set[tuple[str, str, int]]:
+    """The (case, load, world) this session runs (after -m / -k deselection)."""
+    return {(item.callspec.params["case"], item.callspec.params["load"],
+             item.callspec.params["world"]) for item in request.session.items
+            if getattr(item, "originalname", None) == TEST_NAME}
+
+
+@pytest.fixture(scope="session")
+def deepspeed_runs(tmp_path_factory, selected) -> tuple[str, dict]:
     """(checkpoint root, per case: DeepSpeed's run that saved and its resume per load)."""
     root = str(tmp_path_factory.mktemp("ds_script_ckpt"))
-    runs = run_distributed(_deepspeed_job, 2, (CASES, root), timeout=600)
+    pairs = tuple(sorted({(c, ld) for c, ld, _ in selected}))
+    runs = run_distributed(_deepspeed_job, 2, (pairs, root), timeout=600)
     return root, runs[0]
 
 
 _RESUMED: dict[tuple[str, int], list[dict]] = {}
 
 
-def _resumed(root: str, world: int) -> list[dict]:
-    """Every case resumed by evenzero.deepspeed at `world` ranks, in one job per session."""
+def _resumed(root: str, world: int, selected: set) -> list[dict]:
+    """The selected pairs resumed by evenzero.deepspeed at `world` ranks, one job each."""
     if (root, world) not in _RESUMED:
-        _RESUMED[root, world] = run_distributed(_evenzero_job, world, (CASES, root), timeout=600)
+        pairs = tuple(sorted((c, ld) for c, ld, w in selected if w == world))
+        _RESUMED[root, world] = run_distributed(_evenzero_job, world, (pairs, root),
+                                                timeout=600)
     return _RESUMED[root, world]
 
 
@@ -164,11 +190,14 @@ def _check_reference(runs: dict, case: str, load: str) -> None:
         assert resumed["skipped_steps"] == resumed["loaded"]["skipped_steps"] + 1
 
 
+TEST_NAME = "test_resume_deepspeed_checkpoint_like_deepspeed"
+
+
 @pytest.mark.parametrize("case,load,world", PARAMS)
-def test_resume_deepspeed_checkpoint_like_deepspeed(case, load, world, deepspeed_runs):
+def test_resume_deepspeed_checkpoint_like_deepspeed(case, load, world, deepspeed_runs, selected):
     root, runs = deepspeed_runs
     _check_reference(runs, case, load)
-    results = _resumed(root, world)
+    results = _resumed(root, world, selected)
     for r in results[1:]:
         assert r[case][load]["after"]["losses"] == results[0][case][load]["after"]["losses"]
     compare(runs[case][load], results[0][case][load], f"{case} ({load})", world)
@@ -177,17 +206,19 @@ def test_resume_deepspeed_checkpoint_like_deepspeed(case, load, world, deepspeed
 if __name__ == "__main__":
     import tempfile
 
-    os.environ.setdefault("PYTHONPATH", "")
     root = tempfile.mkdtemp(prefix="ds_script_ckpt")
     cases = tuple(sys.argv[1:]) or CASES
-    runs = run_distributed(_deepspeed_job, 2, (cases, root), timeout=1200)[0]
+    every = [(c, ld, w) for c in cases for ld in LOADS for w in WORLDS if _compared(c, ld, w)]
+    runs = run_distributed(_deepspeed_job, 2, (tuple(sorted({(c, ld) for c, ld, _ in every})),
+                                                root), timeout=1200)[0]
     print(f"{'case':14} {'load':12} {'ranks':>5} {'steps':>5} {'max |loss diff|':>16} "
           f"{'max rel |norm diff|':>20} {'max |param diff|':>17} LRs identical")
     for world in WORLDS:
-        resumed = run_distributed(_evenzero_job, world, (cases, root), timeout=1200)[0]
-        for case in cases:
-            for load in (ld for ld in LOADS if _compared(case, ld, world)):
-                f = compare(runs[case][load], resumed[case][load], f"{case} ({load})", world)
-                print(f"{case:14} {load:12} {world:>5} {f['steps']:>5} "
-                      f"{f['max_loss_diff']:>16.3g} {f['max_rel_norm_diff']:>20.3g} "
-                      f"{f['max_param_diff']:>17.3g} {str(f['lrs_identical']):>13}")
+        pairs = tuple((c, ld) for c, ld, w in every if w == world)
+        resumed = run_distributed(_evenzero_job, world, (pairs, root), timeout=1200)[0]
+        for case, load in pairs:
+            _check_reference(runs, case, load)
+            f = compare(runs[case][load], resumed[case][load], f"{case} ({load})", world)
+            print(f"{case:14} {load:12} {world:>5} {f['steps']:>5} "
+                  f"{f['max_loss_diff']:>16.3g} {f['max_rel_norm_diff']:>20.3g} "
+                  f"{f['max_param_diff']:>17.3g} {str(f['lrs_identical']):>13}")
