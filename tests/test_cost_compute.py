@@ -18,7 +18,8 @@ from evenzero.cost.compute import (
 )
 from evenzero.cost.presets import PRESETS
 from evenzero.model_presets import preset
-from evenzero.spec import ModelSpec, ParamSpec, SpecError, from_json
+from evenzero.spec import ModelSpec, ParamSpec, SpecError
+from evenzero.spec_json import from_json
 
 
 def test_backward_work_by_layer_kind():

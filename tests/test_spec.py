@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from evenzero import model_presets
-from evenzero.spec import ModelSpec, ModuleSpecOptions, ParamSpec, SpecError, from_json, from_module
+from evenzero.spec import ModelSpec, ModuleSpecOptions, ParamSpec, SpecError, from_module
+from evenzero.spec_json import from_json
 
 
 def _doc(**over):

@@ -27,7 +27,8 @@ from evenzero.cost.presets import default_cost_preset, load_cost_model
 from evenzero.model_presets import PRESETS, preset
 from evenzero.plan import PlanError
 from evenzero.plan_report import plans_record, summarize
-from evenzero.spec import MAX_NUMEL, GroupSpec, ModelSpec, from_json
+from evenzero.spec import MAX_NUMEL, GroupSpec, ModelSpec
+from evenzero.spec_json import from_json
 from evenzero.strategies import STRATEGY_NAMES, PlanOptions, plan, strategy_names
 from evenzero.strategies.common import MAX_WORLD_SIZE
 
