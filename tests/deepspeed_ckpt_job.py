@@ -19,6 +19,7 @@ the same mean gradient and the same mean loss.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -244,7 +245,7 @@ def build_evenzero(run: Run, resume: Resume):
                                  weight_decay=0.05, stage=resume.stage, bucket_numel=40,
                                  **kwargs)
     params = deepspeed_config(run, 1)["scheduler"]["params"]
-    scheduler = (torch.optim.lr_scheduler.StepLR(opt.optimizer, 1) if resume.torch_scheduler
+    scheduler = (torch.optim.lr_scheduler.StepLR(opt, 1) if resume.torch_scheduler
                  else WarmupDecayLR(opt, **params))
     return model, opt, scheduler
 
@@ -304,12 +305,9 @@ def resume_evenzero(rank: int, world: int, run: Run, resume: Resume, ckpt: str,
 def snapshot(opt) -> dict[str, Any]:
     """Everything a load may change, copied."""
     opt.wait_for_params()
-    inner = opt.optimizer.state_dict()
     return {"model": {k: v.clone() for k, v in opt.module.state_dict().items()},
             "masters": {g: opt.master_shard(g).clone() for g in opt.groups},
-            "state": {k: {kk: (vv.clone() if isinstance(vv, torch.Tensor) else vv)
-                          for kk, vv in v.items()} for k, v in inner["state"].items()},
-            "groups": [{k: v for k, v in g.items()} for g in inner["param_groups"]],
+            "rank_state": copy.deepcopy(opt.state_dict()),
             "step_count": opt.step_count, "scale": opt.loss_scaler.state_dict()}
 
 
@@ -369,7 +367,7 @@ def partial_loads(rank: int, world: int, run: Run, ckpt: str) -> dict[str, Any]:
         out[mode] = {
             "weights_equal": now.keys() == saved.keys() and all(
                 torch.equal(now[k], saved[k].to(now[k].dtype)) for k in saved),
-            "optimizer_state": len(opt.optimizer.state), "lr_kept": opt.param_groups[0]["lr"] == lr,
+            "optimizer_state": sum(len(opt.shard_state(g)["flats"]) - 1 for g in opt.groups), "lr_kept": opt.param_groups[0]["lr"] == lr,
             "step_count": opt.step_count, "lbi": scheduler.last_batch_iteration,
             "client_keys": sorted(info.client_state)}
     return out

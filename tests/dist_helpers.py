@@ -143,6 +143,22 @@ def run_checks(checks: dict[str, Callable[[], None]], barrier: bool = False) -> 
     return out
 
 
+def expect(case: Callable[[], None], expected: tuple | None) -> None:
+    """Run `case`. With `expected` = (error type, *fragments) it must raise that error
+    with every fragment in its message; with None it must succeed."""
+    if expected is None:
+        case()
+        return
+    error_type, *fragments = expected
+    try:
+        case()
+    except error_type as e:
+        missing = [f for f in fragments if f not in str(e)]
+        assert not missing, f"message lacks {missing}: {e}"
+        return
+    raise AssertionError(f"expected {error_type.__name__}, nothing was raised")
+
+
 class CheckResults:
     """Spawns `job` once per argument tuple and caches what `run_checks` returned on each
     rank; `assert_passed` then fails a pytest case with the first failing rank's traceback."""

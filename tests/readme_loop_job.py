@@ -51,7 +51,9 @@ def main() -> None:
     if args.end == "save":
         # One directory for every rank of this torchrun job, removed once all have written.
         where = Path(tempfile.gettempdir()) / f"evenzero-exit-{os.environ['TORCHELASTIC_RUN_ID']}"
-        opt.save(where)
+        from evenzero import checkpoint
+
+        checkpoint.save(opt, where)
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(where, ignore_errors=True)

@@ -245,7 +245,7 @@ def corruption_worker(ctx: RankContext, root: Path) -> None:
     dist.barrier()
     before = {g.name: opt.master_shard(g.name).clone() for g in opt.plan.groups}
     params_before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    state_before = {k: v.clone() for k, v in opt.optimizer.state[opt.master_shard("dense")].items()}
+    state_before = {k: v.clone() for k, v in opt.shard_state("dense")["flats"].items()}
     messages = {}
 
     def attempt(label, o, path):
@@ -267,7 +267,7 @@ def corruption_worker(ctx: RankContext, root: Path) -> None:
         assert torch.equal(opt.master_shard(g), t), g
     for n, p in model.named_parameters():
         assert torch.equal(p, params_before[n]), n
-    for k, v in opt.optimizer.state[opt.master_shard("dense")].items():
+    for k, v in opt.shard_state("dense")["flats"].items():
         assert torch.equal(v, state_before[k]), k
     (root / f"messages-{ctx.rank}.txt").write_text(repr(messages))
     assert checkpoint.load(opt, root / "good").step == 2

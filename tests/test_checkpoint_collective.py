@@ -34,7 +34,7 @@ def masters(opt) -> dict[str, torch.Tensor]:
 
 
 def optimizer_state(opt) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in opt.optimizer.state.get(opt.master_shard("dense"), {}).items()}
+    return {k: v.clone() for k, v in opt.shard_state("dense")["flats"].items() if k != "master"}
 
 
 def assert_equal(a: dict, b: dict) -> None:
@@ -78,7 +78,7 @@ def full_resume(rank: int, root: Path) -> None:
 
     torch.manual_seed(100 + rank)
     model, opt = build(JobOptions())
-    sched = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, warmup)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
     noisy_train(model, opt, sched, 0, 3)
     checkpoint.save(opt, root, extra={"scheduler": sched.state_dict(),
                                       "data": {"epoch": 0, "index": 3 * 8},
@@ -88,7 +88,7 @@ def full_resume(rank: int, root: Path) -> None:
 
     torch.manual_seed(999)  # a restarted process: another RNG state, a fresh scheduler
     model, opt = build(JobOptions())
-    sched = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, warmup)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup)
     manifest = checkpoint.load(opt, root)
     sched.load_state_dict(manifest.extra["scheduler"])
     torch.set_rng_state(manifest.extra["rng"]["torch"])
@@ -110,11 +110,11 @@ def scheduler_keys_do_not_make_a_checkpoint_different(rank: int, root: Path) -> 
     opt.param_groups[0]["lr"] = 0.005
     checkpoint.save(opt, root / "plain")
     model, opt = build(JobOptions())
-    torch.optim.lr_scheduler.LambdaLR(opt.optimizer, warmup)
+    torch.optim.lr_scheduler.LambdaLR(opt, warmup)
     checkpoint.load(opt, root / "plain")
     assert opt.param_groups[0]["lr"] == 0.005 and opt.param_groups[0]["initial_lr"] == 0.01
 
-    torch.optim.lr_scheduler.LambdaLR(opt.optimizer, warmup)  # initial_lr is kept: 0.01
+    torch.optim.lr_scheduler.LambdaLR(opt, warmup)  # initial_lr is kept: 0.01
     checkpoint.save(opt, root / "scheduled")
     model, opt = build(JobOptions())
     checkpoint.load(opt, root / "scheduled")

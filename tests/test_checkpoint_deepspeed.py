@@ -31,7 +31,7 @@ from deepspeed_ckpt_job import (
 )
 from deepspeed_fixtures import checkpoint, needs_deepspeed
 from dist_helpers import run_distributed
-from evenzero.checkpoint.deepspeed_convert import convert_deepspeed
+from evenzero.commands.convert_deepspeed import convert_deepspeed
 
 pytestmark = needs_deepspeed
 

@@ -122,7 +122,7 @@ def check_fp16_direct_backward_needs_scale() -> None:
 def check_optimizer_view() -> None:
     engine = _engine(_config(2))
     opt = engine.optimizer
-    assert opt.param_groups is engine.zero.optimizer.param_groups
+    assert opt.optimizer is engine.zero and opt.param_groups is engine.zero.param_groups
     assert engine.get_lr() == [0.1] and engine.get_mom() == [0]
     with pytest.raises(RuntimeError, match=r"engine.step\(\)"):
         opt.step()

@@ -137,13 +137,13 @@ def check_replan_moves_optimizer_state(rank, world):
     before = opt.plan
     for g in before.groups:
         master = opt.master_shard(g.name)
-        opt.optimizer.state[master]["momentum_buffer"] = master.detach() * 2 + 1
+        opt._inner.state[master]["momentum_buffer"] = master.detach() * 2 + 1
     quirky_loss(model, quirky_batch(0, 4)).backward()
     assert opt.plan.layouts != before.layouts, "the test needs a re-layout"
     for g in opt.plan.groups:
         master = opt.master_shard(g.name)
         assert master.numel() == opt.plan.shard_numel(g.name)
-        buf = opt.optimizer.state[master]["momentum_buffer"]
+        buf = opt._inner.state[master]["momentum_buffer"]
         owned = torch.zeros_like(master, dtype=torch.bool)
         for r in opt.plan.shard_ranges(g.name, opt.group_rank(g.name)):
             owned[r.shard_offset:r.shard_offset + r.numel] = True

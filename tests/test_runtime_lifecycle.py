@@ -67,7 +67,8 @@ def test_the_checkpoint_uses_the_runtime_device_rule():
     from evenzero.checkpoint import state
 
     source = inspect.getsource(state.RankPlace.of)
-    assert "control_device(" in source and '"nccl" in' not in source
+    # Through the optimizer's protocol (`control_device`), not a rule of its own.
+    assert "opt.control_device" in source and '"nccl" in' not in source
 
 
 def test_schedules_print_as_tables_and_stay_tuples():

@@ -25,6 +25,18 @@ class MLP(nn.Module):
         return self.head(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
 
 
+class Branchy(MLP):
+    """An MLP with an extra layer used only when asked to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(4, 4)
+
+    def forward(self, x, use_extra: bool = False):
+        y = super().forward(x)
+        return self.extra(y) if use_extra else y
+
+
 class Quirky(nn.Module):
     """Tied embedding/head, a frozen layer, an unused layer; forward order != registration."""
 
@@ -93,10 +105,6 @@ def train_pair(rank: int, world: int, make_model: Callable[[], nn.Module], loss_
         opt.step()
         opt.zero_grad()
         loss_fn(ref, batch).backward()
-        for p in ref.parameters():
-            # The documented semantics: a parameter with no gradient anywhere steps on zeros.
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
         if clip is not None:
             norms.append((float(norm), float(torch.nn.utils.clip_grad_norm_(
                 [p for p in ref.parameters() if p.requires_grad], clip))))

@@ -76,7 +76,7 @@ def run_moe(rank, world, ep_size, stage, convention, steps=3):
              "lr": EXPERT_LR},
         ], stage=stage, bucket_numel=64, **kw)
         expert_group = "experts"
-        assert [g["lr"] for g in opt.optimizer.param_groups] == [kw["lr"], EXPERT_LR]
+        assert [g["lr"] for g in opt.param_groups] == [kw["lr"], EXPERT_LR]
     ref_experts = list(ref.moe.experts.parameters())
     ref_dense = [p for p in ref.parameters() if all(p is not q for q in ref_experts)]
     expert_lr = EXPERT_LR if convention == "param_groups" else kw["lr"]
@@ -119,7 +119,27 @@ def refuse_expert_parallel_group(rank, world, ep_size):
                       expert_groups={groups.group_name: groups.ep_group})
 
 
+def broadcast_from_first_rank_of_each_group(rank, world, ep_size):
+    """Every rank initialises differently: dense parameters and buffers start from rank
+    0's values, expert parameters from the first rank of their expert-data-parallel group
+    (rank r % E), as DeepSpeed's engine broadcasts them; each expert stays its own."""
+    from evenzero import ZeroOptimizer
+    from evenzero.moe import expert_parallel_groups
+
+    groups = expert_parallel_groups(ep_size)
+    torch.manual_seed(100 + rank)
+    model = SeedLike(groups)
+    before = [None] * world
+    dist.all_gather_object(before, {n: p.detach().clone() for n, p in model.named_parameters()})
+    ZeroOptimizer(model, torch.optim.SGD, lr=0.1,
+                  expert_groups={groups.group_name: groups.edp_group}).close()
+    for name, p in model.named_parameters():
+        source = rank % ep_size if name.startswith("moe.experts.") else 0
+        assert torch.equal(p.detach(), before[source][name]), (name, source)
+
+
 CASES = {
+    "broadcast": (2, "broadcast"),
     "marker_stage2": (2, "marker"),
     "param_groups_stage1": (1, "param_groups"),
     "param_groups_stage2": (2, "param_groups"),
@@ -130,6 +150,8 @@ CASES = {
 def moe_case(rank, world, ep_size, stage, convention):
     if convention == "refused":
         refuse_expert_parallel_group(rank, world, ep_size)
+    elif convention == "broadcast":
+        broadcast_from_first_rank_of_each_group(rank, world, ep_size)
     else:
         run_moe(rank, world, ep_size, stage, convention)
 

@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from evenzero.runtime.collectives import ReduceScatter, TraceRecorder
+from evenzero.runtime.gradclear import ClearTracker
 from evenzero.runtime.reducer import GradientReducer, ReducerConfig
 from evenzero.runtime.routes import plan_routes
+from evenzero.runtime.shardedgrad import ShardedGrad, placeholders
+from evenzero.runtime.shardruns import ShardRuns
 from evenzero.runtime.shards import GroupState
 from evenzero.spec import ModelSpec, ParamSpec
 from evenzero.strategies import PlanOptions, plan
@@ -58,9 +61,10 @@ def make_reducer(max_in_flight: int = 2, stage: int = 2):
                        torch.zeros(n), {})
     rs = FakeReduceScatter()
     trace = TraceRecorder()
+    tracker = ClearTracker(params, placeholders(list(params.items())))
     reducer = GradientReducer(plan_routes(p, {"dense": 0}), params, {"dense": group},
                               ReducerConfig(stage, 1, max_in_flight, torch.device("cpu"), rs),
-                              trace)
+                              trace, tracker, {"dense": ShardRuns.of(p, "dense", 0)})
     return reducer, params, group, rs, trace, p
 
 
@@ -107,7 +111,8 @@ def test_reduced_gradients_land_in_the_shard_and_grads_are_dropped():
         want = params[r.param].new_full((r.numel,), {"p3": 0.0, "p1": 1.0}.get(
             r.param, 10.0 + NAMES.index(r.param)))
         torch.testing.assert_close(group.grad[r.shard_offset:r.shard_offset + r.numel], want)
-    assert all(q.grad is None for q in params.values()), "stage 2 keeps no full gradient"
+    assert all(isinstance(q.grad, ShardedGrad) for q in params.values()), \
+        "stage 2 keeps no full gradient"
     assert tuple(trace.pending) == p.backward()
     assert {c.algorithm for c in trace.pending} == {"fake"}
 
@@ -150,9 +155,38 @@ def test_stage1_accumulates_into_persistent_buffers():
         give_grad(params, name)
         reducer.grad_ready(name)
     reducer.finish_grad_sync()
-    # .grad now views the bucket buffers (zeroed after the reduction) so the next
-    # backward accumulates in place, and the shard holds the reduced values.
-    assert params["p3"].grad.data_ptr() == views[0][0].data_ptr()
+    # .grad is the placeholder, whose landing is the bucket buffer (zeroed after the
+    # reduction): the next backward's gradient lands there and accumulates in place.
+    assert isinstance(params["p3"].grad, ShardedGrad)
+    assert params["p3"].grad.landing.data_ptr() == views[0][0].data_ptr()
     assert reducer.held_grads() == {v.data_ptr() for vs in views for v in vs}
     assert group.grad.abs().sum() > 0
     assert all(b.abs().sum() == 0 for b in reducer.grad_buffers.buffers)
+    # Gradients the user did not clear are accumulated onto the shard next time.
+    before = group.grad.clone()
+    q = params["p0"]
+    (q * 2).sum().backward()
+    assert q.grad.data_ptr() == views[1][1].data_ptr()
+    reducer.clearing.accumulated("p0")  # what the engine's post-accumulate hook reports
+    reducer.grad_ready("p0")
+    reducer.finish_grad_sync()
+    (off, n), = reducer.runs["dense"].runs["p0"]
+    torch.testing.assert_close(group.grad[off:off + n], before[off:off + n] + 2)
+
+
+def test_cleared_gradients_overwrite_their_runs():
+    reducer, params, group, _, _, p = make_reducer()
+    for name in NAMES:
+        give_grad(params, name)
+        reducer.grad_ready(name)
+    reducer.finish_grad_sync()
+    params["p1"].grad = None  # cleared: its runs are overwritten, the others accumulate
+    before = group.grad.clone()
+    for name in NAMES:
+        reducer.grad_ready(name)
+    reducer.finish_grad_sync()
+    runs = reducer.runs["dense"]
+    for name in NAMES:
+        (off, n), = runs.runs[name]
+        want = torch.zeros(n) if name == "p1" else before[off:off + n]
+        torch.testing.assert_close(group.grad[off:off + n], want, msg=name)

@@ -41,7 +41,7 @@ COMMANDS: dict[str, Command] = {
     "repro": Command("evenzero.repro",
                      "run the seed case side by side: evenzero, DeepSpeed, DDP"),
     "bench": Command("evenzero.repro.bench", "run the benchmarks"),
-    "convert-deepspeed": Command("evenzero.checkpoint.deepspeed_convert",
+    "convert-deepspeed": Command("evenzero.commands.convert_deepspeed",
                                  "write an evenzero checkpoint from a DeepSpeed ZeRO-1/2 one"),
 }
 """Every subcommand by name. A new one is a module with the two functions and a line here."""

@@ -156,18 +156,22 @@ class Collective:
         return self.segments or ((self.offset, self.numel),)
 
 
-STEP_CHECK_EXTRA = 3
-"""Elements of the step check after the per-parameter presence bits: the squared norm,
-the overflow flag and the flag for problems a rank found alone in backward."""
+STEP_CHECK_EXTRA = 5
+"""Elements of the step check after the per-parameter presence values: the squared
+norm, the overflow flag, the flag for problems a rank found alone in backward, and the
+rank's number of backwards under no_sync() and its square."""
 
 
 def step_check(world_size: int, num_params: int) -> Collective:
-    """The step's one small fp32 all-reduce over the world (evenzero's plans and runtime):
-    a presence bit per parameter (a gradient that exists on some ranks only is caught by
-    name), the global squared norm, the overflow flag and the problem flag (so every rank
-    raises what one rank found, and none waits)."""
+    """The step's one small fp64 all-reduce over the world (evenzero's plans and runtime):
+    a presence value per parameter (whether it produced a gradient on the rank, and
+    whether the rank holds one at all, so a gradient that exists on some ranks only is
+    caught by name and one that exists on none is not stepped), the global squared norm,
+    the overflow flag, the problem flag (so every rank raises what one rank found, and
+    none waits) and the no_sync() micro-batch count with its square (equal on every rank
+    exactly when W * sum(c^2) == sum(c)^2). fp64 keeps the sums exact on any world."""
     return Collective(STEP, "all_reduce", "world", world_size, None, None, 0,
-                      num_params + STEP_CHECK_EXTRA, itemsize=4)
+                      num_params + STEP_CHECK_EXTRA, itemsize=8)
 
 
 class Schedule(tuple):

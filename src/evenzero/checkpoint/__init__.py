@@ -28,7 +28,6 @@ and read a whole `model.state_dict()` and a torch optimizer state dict keyed by 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import operator
 import os
@@ -186,10 +185,10 @@ def _write_rank(opt: Any, place: RankPlace, tmp: Path, extra: Any) -> FileRecord
     tensors: dict[str, torch.Tensor] = {}
     params: list[StoredParam] = []
     groups: list[StoredGroup] = []
-    for index, g in enumerate(opt.plan.groups):
+    for g in opt.plan.groups:
         gp = group_place(opt, place, g.name)
         ranges = opt.plan.shard_ranges(g.name, gp.local_rank)
-        flats, scalars, hyper = group_state(opt, index, g.name)
+        flats, param_scalars, hyper = group_state(opt, g.name)
         tensors.update(split_shard(ranges, gp.storage(), flats))
 
         def meta(name: str, g=g, gp=gp) -> StoredParam:
@@ -199,7 +198,8 @@ def _write_rank(opt: Any, place: RankPlace, tmp: Path, extra: Any) -> FileRecord
 
         params += runs_index(ranges, file, gp.storage(), meta)
         groups.append(StoredGroup(g.name, gp.expert_parallel_size, g.size, encode_value(hyper),
-                                  encode_value(scalars), tuple(k for k in flats if k != MASTER)))
+                                  {}, tuple(k for k in flats if k != MASTER),
+                                  {n: encode_value(v) for n, v in param_scalars.items()}))
     record = checkpoint_io.write_file(tmp / file, tensors, place.rank)
     index_text = RankIndex(record, tuple(params), tuple(groups), user).dumps()
     checkpoint_io.write_text(tmp / _index_name(place.rank), index_text)
@@ -215,13 +215,13 @@ def _finalise(opt: Any, place: RankPlace, tmp: Path, final: Path, step: int,
     params, groups = merge_indices(indices)
     extras = tuple(StoredTensor(n, tuple(t.shape), dtype_name(t.dtype))
                    for n, t in extra_tensors(opt).items())
-    scaler = getattr(opt, "loss_scaler", None)
+    scaler = opt.loss_scaler_state()
     users = tuple(i.user_state for i in indices if i.user_state is not None)
     manifest = Manifest(step, int(opt.step_count), place.world_size, opt.plan.strategy,
-                        _version(), optimizer_class(opt.optimizer), groups, params,
+                        _version(), optimizer_class(opt), groups, params,
                         tuple(i.file for i in indices) + users +
                         ((extras_record,) if extras_record else ()),
-                        extras, encode_value(scaler.state_dict()) if scaler is not None else None,
+                        extras, encode_value(scaler) if scaler is not None else None,
                         {u.rank: u.name for u in users})
     # Parse what we are about to publish: a manifest that does not tile every parameter
     # would only be caught at load time, when the previous checkpoint may be gone.
@@ -270,9 +270,10 @@ def _stage(opt: Any, place: RankPlace, path: Path, manifest: Manifest) -> Staged
             flats = assemble_shard(reads, kinds, opt.plan.shard_numel(g.name), reader.read)
             staged.masters[g.name] = flats.pop(MASTER)
             staged.states[g.name] = flats
-            # On the CPU, as torch keeps a non-capturable `step`; torch's loader moves it
-            # to the device when the optimizer is capturable or fused.
-            staged.scalars[g.name] = decode_value(saved.scalars)
+            # On the CPU, as torch keeps a non-capturable `step`.
+            gp = group_place(opt, place, g.name)
+            mine = dict.fromkeys(r.param for r in opt.plan.shard_ranges(g.name, gp.local_rank))
+            staged.param_scalars[g.name] = {n: decode_value(saved.scalars_of(n)) for n in mine}
             staged.hyperparameters[g.name] = decode_value(saved.hyperparameters)
         if manifest.extras:
             staged.extras = reader.read_all(EXTRA_FILE)
@@ -286,11 +287,10 @@ def _stage(opt: Any, place: RankPlace, path: Path, manifest: Manifest) -> Staged
 def _check_scaler(opt: Any, manifest: Manifest, path: Path) -> Any:
     """The saved loss-scaler state, after a dry run of loading it into a copy."""
     state = decode_value(manifest.loss_scaler)
-    scaler = getattr(opt, "loss_scaler", None)
-    if state is None or scaler is None:
+    if state is None or opt.loss_scaler_state() is None:
         return None
     try:
-        copy.deepcopy(scaler).load_state_dict(state)
+        opt.check_loss_scaler_state(state)
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: loss scaler: {e}") from None
     return state

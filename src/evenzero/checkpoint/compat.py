@@ -78,6 +78,8 @@ def check_compatible(m: Manifest, local: LocalModel, where: str) -> None:
                                   f"these options)")
         check_options(g.hyperparameters, g.scalars, local.hyperparameters[name],
                       f"{where}: group {name!r}")
+        for param, scalars in g.param_scalars.items():
+            check_options({}, scalars, {}, f"{where}: parameter {param!r}")
     saved = {p.key: p for p in m.params}
     wanted: set[str] = set()
     for lp in local.params:

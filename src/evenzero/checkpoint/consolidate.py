@@ -39,7 +39,6 @@ from evenzero.checkpoint.state import (
     extra_tensors,
     group_place,
     group_state,
-    inner_group,
     trainable_names,
 )
 
@@ -57,8 +56,9 @@ def consolidated_state_dict(opt: Any) -> tuple[dict[str, torch.Tensor], dict[str
     state: dict[str, dict[str, Any]] = {}
     param_groups = []
     order = {n: i for i, (n, _) in enumerate(opt.module.named_parameters())}
-    for index, g in enumerate(opt.plan.groups):
-        flats, scalars, hyper = group_state(opt, index, g.name)
+    for g in opt.plan.groups:
+        flats, scalars, hyper = group_state(opt, g.name)
+        scalars = _gather_scalars(opt, g.name, g.size, scalars)
         whole = {kind: {s.name: torch.empty(s.numel, dtype=torch.float32)
                         for b in opt.plan.group_layouts(g.name) for s in b.params}
                  for kind in flats}
@@ -71,8 +71,9 @@ def consolidated_state_dict(opt: Any) -> tuple[dict[str, torch.Tensor], dict[str
             shape = named[name].shape
             masters[name] = whole[MASTER][name].reshape(shape)
             entry = {k: whole[k][name].reshape(shape) for k in flats if k != MASTER}
-            if entry or scalars:
-                state[name] = {**entry, **{k: _copy(v) for k, v in scalars.items()}}
+            mine = scalars.get(name, {})
+            if mine:  # as torch: a parameter never stepped has no state
+                state[name] = {**entry, **{k: _copy(v) for k, v in mine.items()}}
         param_groups.append({**hyper, "params": names})
     model = {}
     for name, t in opt.module.state_dict(keep_vars=True).items():
@@ -94,6 +95,16 @@ def _gather(opt: Any, group: str, size: int, flat: torch.Tensor) -> list[torch.T
     parts = [torch.empty_like(flat) for _ in range(size)]
     dist.all_gather(parts, flat.detach().contiguous(), group=opt.process_group(group))
     return [p.cpu() for p in parts]
+
+
+def _gather_scalars(opt: Any, group: str, size: int,
+                    mine: dict[str, Any]) -> dict[str, Any]:
+    """Every parameter's scalar state: each rank holds that of the parameters it has runs of."""
+    if size == 1:
+        return mine
+    every: list = [None] * size
+    dist.all_gather_object(every, mine, group=opt.process_group(group))
+    return {n: s for theirs in every for n, s in theirs.items()}
 
 
 def _copy(v: Any) -> Any:
@@ -193,20 +204,19 @@ def _stage(opt: Any, place: RankPlace, model: dict[str, torch.Tensor],
         extras[name] = model[name]
     by_name = _state_by_name(opt, optimizer) if optimizer is not None else None
     staged = StagedState({}, {}, {}, {}, extras, None, None)
-    for index, g in enumerate(opt.plan.groups):
+    for g in opt.plan.groups:
         gp = group_place(opt, place, g.name)
         ranges = opt.plan.shard_ranges(g.name, gp.local_rank)
         numel = opt.plan.shard_numel(g.name)
         staged.masters[g.name] = fill_shard(ranges, numel, lambda n: model[n].float())
-        pg, _ = inner_group(opt, index, g.name)
         names = [s.name for b in opt.plan.group_layouts(g.name) for s in b.params]
-        hyper = {k: v for k, v in pg.items() if k != "params"}
+        hyper = dict(opt.shard_state(g.name)["hyperparameters"])
         states, scalars = {}, {}
         if by_name is not None:
             shapes = {n: tuple(named[n].shape) for n in names}
             states, scalars, hyper = _group_from(by_name, names, shapes, g.name, hyper, ranges,
                                                  numel)
-        staged.states[g.name], staged.scalars[g.name] = states, scalars
+        staged.states[g.name], staged.param_scalars[g.name] = states, scalars
         staged.hyperparameters[g.name] = hyper
     return staged
 
@@ -246,30 +256,24 @@ def _group_from(sd: dict[str, Any], names: list[str], shapes: dict[str, tuple[in
         raise CheckpointError(f"optimizer options {sorted(set(hyper) ^ set(hyper_now))} differ "
                               f"between the state dict and this optimizer (group {group!r})")
     per = {n: sd["state"].get(n, {}) for n in names}
-    keys = {n: frozenset(s) for n, s in per.items()}
-    first = names[0]
-    for n in names:
-        if keys[n] != keys[first]:
-            raise CheckpointError(f"optimizer state of {n!r} has keys {sorted(keys[n])} but "
-                                  f"{first!r} has {sorted(keys[first])}; a group must step together")
-    states, scalars = {}, {}
-    for key in sorted(keys[first]):
-        v = per[first][key]
-        # torch's optimizers keep one scalar per parameter, `step`; anything else shaped
-        # like every parameter is per-element state and is sharded like the master.
+    # As in torch, each parameter has its own state, and one never stepped has none.
+    stepped = [n for n in names if per[n]]
+    keys = frozenset(per[stepped[0]]) if stepped else frozenset()
+    for n in stepped:
+        if frozenset(per[n]) != keys:
+            raise CheckpointError(f"optimizer state of {n!r} has keys {sorted(per[n])} but "
+                                  f"{stepped[0]!r} has {sorted(keys)}; the state dict mixes "
+                                  f"optimizers")
+    states, scalars = {}, {n: {} for n in names}
+    for key in sorted(keys):
+        # Anything shaped like every parameter is per-element state, sharded like the
+        # master (zeros for parameters never stepped); the rest is per-parameter scalars.
         if key != "step" and all(isinstance(per[n][key], torch.Tensor)
-                                 and tuple(per[n][key].shape) == shapes[n] for n in names):
-            states[key] = fill_shard(ranges, numel, lambda n, key=key: per[n][key].float())
+                                 and tuple(per[n][key].shape) == shapes[n] for n in stepped):
+            states[key] = fill_shard(ranges, numel, lambda n, key=key: (
+                per[n][key].float() if per[n] else torch.zeros(shapes[n])))
             continue
-        for n in names:
-            if not _same(per[n][key], v):
-                raise CheckpointError(f"optimizer state {key!r} of {n!r} differs from {first!r} "
-                                      f"({per[n][key]} vs {v}); evenzero keeps one per group")
-        scalars[key] = _copy(v)
+        for n in stepped:
+            scalars[n][key] = _copy(per[n][key])
     return states, scalars, hyper
 
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
-    return a == b

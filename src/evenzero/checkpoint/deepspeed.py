@@ -24,6 +24,7 @@ rank and leaves the optimizer untouched.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -50,7 +51,6 @@ from evenzero.checkpoint.state import (
     extra_tensors,
     group_place,
     group_state,
-    inner_group,
     trainable_names,
 )
 from evenzero.plan import ShardRange
@@ -168,29 +168,32 @@ def stage_deepspeed(opt: Any, place: RankPlace, files: DeepSpeedFiles, optimizer
     staged = StagedState({}, {}, {}, {}, {n: t for n, t in extras.items() if t is not None},
                          None, int(files.states.get("global_steps") or 0)
                          - int(files.states.get("skipped_steps") or 0))
-    for index, g in enumerate(opt.plan.groups):
+    for g in opt.plan.groups:
         gp = group_place(opt, place, g.name)
         ranges = opt.plan.shard_ranges(g.name, gp.local_rank)
         numel = opt.plan.shard_numel(g.name)
         names = [s.name for b in opt.plan.group_layouts(g.name) for s in b.params]
-        flats, scalars, hyper = group_state(opt, index, g.name)
+        flats, param_scalars, hyper = group_state(opt, g.name)
         if not optimizer_states:
             # DeepSpeed's `_restore_from_bit16_weights`: masters from the model weights,
             # optimizer state and options as they are.
             staged.masters[g.name] = fill_shard(ranges, numel,
                                                 lambda param: files.module[param].float())
             staged.states[g.name] = {k: v.clone() for k, v in flats.items() if k != MASTER}
-            staged.scalars[g.name], staged.hyperparameters[g.name] = scalars, hyper
+            staged.param_scalars[g.name] = copy.deepcopy(param_scalars)
+            staged.hyperparameters[g.name] = hyper
             continue
         sources = sorted({holder[n].index for n in names})
         kinds, scalars, hyper = optimizer_values(
-            [files.groups[i] for i in sources], type(opt.optimizer),
-            inner_group(opt, index, g.name)[0], files.states.get("ds_config"),
-            f"{files.path} (group {g.name!r})")
+            [files.groups[i] for i in sources], opt.inner_optimizer_class, hyper,
+            files.states.get("ds_config"), f"{files.path} (group {g.name!r})")
 
         staged.masters[g.name] = _shard(ranges, numel, holder, MASTER)
         staged.states[g.name] = {k: _shard(ranges, numel, holder, k) for k in kinds}
-        staged.scalars[g.name], staged.hyperparameters[g.name] = scalars, hyper
+        # DeepSpeed steps each flat group whole, so every parameter in it has the group's
+        # scalar state (its `step`); torch keeps one copy per parameter.
+        staged.param_scalars[g.name] = {r.param: copy.deepcopy(scalars) for r in ranges}
+        staged.hyperparameters[g.name] = hyper
     if optimizer_states:
         staged.loss_scaler = loss_scaler_state(files.loss_scaler, getattr(opt, "loss_scaler", None),
                                                int(files.states.get("skipped_steps") or 0),

@@ -27,7 +27,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 FORMAT = "evenzero-checkpoint"
@@ -121,9 +121,17 @@ class StoredGroup:
     hyperparameters: Mapping[str, Any]
     """The torch param group without "params", JSON-encoded with `encode_value`."""
     scalars: Mapping[str, Any]
-    """Non-shard optimizer state (Adam's `step`), JSON-encoded."""
+    """Non-shard optimizer state shared by the whole group, JSON-encoded: what
+    checkpoints before per-parameter state held (Adam's one `step`); {} since."""
     state_keys: tuple[str, ...]
     """Shard-shaped optimizer-state kinds stored per range (exp_avg, exp_avg_sq, ...)."""
+    param_scalars: Mapping[str, Any] = field(default_factory=dict)
+    """Parameter name -> its own non-shard optimizer state (its `step`, ...; {} if never
+    stepped), JSON-encoded. A parameter missing here has `scalars` (older checkpoints)."""
+
+    def scalars_of(self, name: str) -> Any:
+        """The JSON-encoded scalar state of parameter `name`."""
+        return self.param_scalars.get(name, self.scalars)
 
 
 @dataclass(frozen=True)
@@ -262,18 +270,19 @@ def _param_parse(key: str, p: Mapping[str, Any]) -> StoredParam:
 def _group_json(g: StoredGroup) -> dict[str, Any]:
     return {"name": g.name, "expert_parallel_size": g.expert_parallel_size, "size": g.size,
             "hyperparameters": dict(g.hyperparameters), "scalars": dict(g.scalars),
-            "state_keys": list(g.state_keys)}
+            "state_keys": list(g.state_keys), "param_scalars": dict(g.param_scalars)}
 
 
 def _group_parse(g: Mapping[str, Any], at: str) -> StoredGroup:
-    for part in ("hyperparameters", "scalars"):
-        if not isinstance(g[part], Mapping):
+    for part in ("hyperparameters", "scalars", "param_scalars"):
+        if not isinstance(g.get(part, {}), Mapping):
             raise _Damaged(f"{at}.{part} is not an object")
     return StoredGroup(_text(g["name"], f"{at}.name"),
                        _whole(g["expert_parallel_size"], f"{at}.expert_parallel_size", 1),
                        _whole(g["size"], f"{at}.size", 1), dict(g["hyperparameters"]),
                        dict(g["scalars"]),
-                       tuple(_text(k, f"{at}.state_keys") for k in g["state_keys"]))
+                       tuple(_text(k, f"{at}.state_keys") for k in g["state_keys"]),
+                       dict(g.get("param_scalars", {})))
 
 
 def _scaler_parse(state: Any) -> Any:
@@ -380,13 +389,21 @@ def merge_indices(indices: list[RankIndex]) -> tuple[tuple[StoredParam, ...],
             merged[p.key] = StoredParam(p.key, p.name, p.group, p.ep_rank, p.shape, p.dtype,
                                         tuple(sorted(have.ranges + p.ranges,
                                                      key=lambda r: r.start)))
-    groups = indices[0].groups
-    for idx in indices[1:]:
-        if idx.groups != groups:
+    # Each rank knows the per-parameter state of the parameters it holds runs of.
+    groups = tuple(replace(g, param_scalars={}) for g in indices[0].groups)
+    per_param: dict[str, dict[str, Any]] = {g.name: {} for g in groups}
+    for idx in indices:
+        if tuple(replace(g, param_scalars={}) for g in idx.groups) != groups:
             raise CheckpointError(f"rank {idx.file.rank} and rank {indices[0].file.rank} disagree "
                                   f"on optimizer hyperparameters or state keys; every rank must "
                                   f"build the same optimizer")
-    return tuple(merged.values()), groups
+        for g in idx.groups:
+            for name, value in g.param_scalars.items():
+                if per_param[g.name].setdefault(name, value) != value:
+                    raise CheckpointError(f"ranks disagree on the optimizer state of parameter "
+                                          f"{name!r}; every rank must build the same optimizer")
+    return tuple(merged.values()), tuple(replace(g, param_scalars=per_param[g.name])
+                                         for g in groups)
 
 
 def _check_coverage(p: StoredParam, files: set[str], where: str) -> None:

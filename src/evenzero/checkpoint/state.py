@@ -1,11 +1,11 @@
-"""What a checkpoint takes from, and puts back into, a running `ZeroOptimizer`.
+"""What a checkpoint takes from, and puts back into, a running optimizer.
 
-This is the only checkpoint module that knows the optimizer's shape: one inner torch
-param group per plan group (in `plan.groups` order) whose single parameter is the
-group's flat fp32 master shard, optimizer state shaped like that shard, and the model
-whose trainable parameters are re-gathered from the masters after a load. Everything a
-load will write is first staged in a `StagedState`, so a load either changes the whole
-state or nothing.
+This is the only checkpoint module that talks to the optimizer, and only through
+`evenzero.checkpoint.protocol.ShardedOptimizer` (which `ZeroOptimizer` implements): per
+plan group, this rank's flat shards (fp32 masters and elementwise state), each
+parameter's scalar state and the group's hyperparameters; the model through `module`.
+Everything a load will write is first staged in a `StagedState`, so a load either
+changes the whole state or nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from evenzero.checkpoint.compat import LocalModel, LocalParam
 from evenzero.checkpoint.format import MASTER, CheckpointError, StoredTensor, storage_name
-from evenzero.runtime.collectives import control_device
+from evenzero.checkpoint.protocol import ShardedOptimizer
 from evenzero.spec import dtype_name
 
 
@@ -31,7 +31,7 @@ class RankPlace:
     """Rank in the optimizer's data-parallel world."""
     world_size: int
     device: torch.device
-    """Where small agreement tensors live (`evenzero.runtime.control_device`)."""
+    """Where small agreement tensors live (the optimizer's `control_device`)."""
     group: Any
     """The optimizer's data-parallel world process group (None without torch.distributed)."""
     ep_ranks: Mapping[str, int]
@@ -46,8 +46,8 @@ class RankPlace:
             return RankPlace._check(opt, RankPlace(0, 1, torch.device("cpu"), None,
                                                    {g.name: 0 for g in opt.plan.groups}))
         world = _world_group(opt)
-        # The runtime's rule, so checkpoints agree on the device the optimizer uses.
-        device = control_device(world, opt.master_shard(opt.plan.groups[0].name).device)
+        # The optimizer's own, so checkpoints agree on the device the optimizer uses.
+        device = opt.control_device
         rank, size = dist.get_rank(world), dist.get_world_size(world)
         RankPlace._check(opt, RankPlace(rank, size, device, world, {}))
         return RankPlace(rank, size, device, world, _ep_ranks(opt, world, size, device))
@@ -110,41 +110,24 @@ def group_place(opt: Any, place: RankPlace, group: str) -> GroupPlace:
     return GroupPlace(int(opt.group_rank(group)), place.ep_ranks[group], e)
 
 
-def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
-    cls = type(optimizer)
+def optimizer_class(opt: ShardedOptimizer) -> str:
+    """The qualified name of the torch optimizer class that steps the shards."""
+    cls = opt.inner_optimizer_class
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def inner_group(opt: Any, index: int, group: str) -> tuple[dict[str, Any], torch.Tensor]:
-    """The inner torch param group of plan group `group`, and its master shard."""
-    groups = opt.optimizer.param_groups
-    master = opt.master_shard(group)
-    if index >= len(groups) or len(groups[index]["params"]) != 1 \
-            or groups[index]["params"][0] is not master:
-        raise CheckpointError(f"optimizer param group {index} does not hold the master shard of "
-                              f"plan group {group!r}; the runtime and checkpoint disagree")
-    return groups[index], master
-
-
-def group_state(opt: Any, index: int, group: str) -> tuple[dict[str, torch.Tensor],
+def group_state(opt: ShardedOptimizer, group: str) -> tuple[dict[str, torch.Tensor],
                                                            dict[str, Any], dict[str, Any]]:
-    """(shard-shaped tensors incl. the master, scalar state, hyperparameters) of a group."""
-    pg, master = inner_group(opt, index, group)
-    if master.dtype != torch.float32:
-        raise CheckpointError(f"master weights of group {group!r} are {master.dtype}; evenzero "
-                              f"checkpoints store fp32 masters (use master_dtype=torch.float32)")
-    flats = {MASTER: master}
-    scalars = {}
-    for key, value in opt.optimizer.state.get(master, {}).items():
-        if isinstance(value, torch.Tensor) and value.shape == master.shape:
-            if value.dtype != torch.float32:
-                raise CheckpointError(f"optimizer state {key!r} of group {group!r} is "
-                                      f"{value.dtype}; evenzero checkpoints store fp32 state")
-            flats[key] = value
-        else:
-            scalars[key] = value
-    hyper = {k: v for k, v in pg.items() if k != "params"}
-    return flats, scalars, hyper
+    """(shard-shaped tensors incl. the master, per-parameter scalar state,
+    hyperparameters) of a plan group on this rank."""
+    shard = opt.shard_state(group)
+    flats = dict(shard["flats"])
+    for key, value in flats.items():
+        if value.dtype != torch.float32:
+            what = "master weights" if key == MASTER else f"optimizer state {key!r}"
+            raise CheckpointError(f"{what} of group {group!r} are {value.dtype}; evenzero "
+                                  f"checkpoints store fp32 (use master_dtype=torch.float32)")
+    return flats, dict(shard["param_scalars"]), dict(shard["hyperparameters"])
 
 
 def trainable_names(opt: Any) -> dict[str, torch.nn.Parameter]:
@@ -169,18 +152,17 @@ def local_model(opt: Any, place: RankPlace) -> LocalModel:
     named = trainable_names(opt)
     params = []
     ep_size, hyper = {}, {}
-    for index, g in enumerate(opt.plan.groups):
+    for g in opt.plan.groups:
         ep_size[g.name] = g.expert_parallel_size
-        pg, _ = inner_group(opt, index, g.name)
-        hyper[g.name] = {k: v for k, v in pg.items() if k != "params"}
+        hyper[g.name] = dict(opt.shard_state(g.name)["hyperparameters"])
     for b in opt.plan.layouts:
         for s in b.params:
             p = named[s.name]
             params.append(LocalParam(s.name, b.group, tuple(p.shape), dtype_name(p.dtype)))
     extras = tuple(StoredTensor(n, tuple(t.shape), dtype_name(t.dtype))
                    for n, t in extra_tensors(opt).items())
-    return LocalModel(tuple(params), ep_size, place.ep_ranks, optimizer_class(opt.optimizer),
-                      frozenset(opt.optimizer.defaults), hyper, extras)
+    return LocalModel(tuple(params), ep_size, place.ep_ranks, optimizer_class(opt),
+                      frozenset(opt.defaults), hyper, extras)
 
 
 @dataclass
@@ -191,8 +173,9 @@ class StagedState:
     """Plan group -> new flat fp32 master shard (zeros in padding)."""
     states: dict[str, dict[str, torch.Tensor]]
     """Plan group -> shard-shaped optimizer state by key."""
-    scalars: dict[str, dict[str, Any]]
-    """Plan group -> scalar optimizer state (Adam's `step`), decoded."""
+    param_scalars: dict[str, dict[str, dict[str, Any]]]
+    """Plan group -> parameter (with runs on this rank) -> its scalar optimizer state
+    (its own `step`, ...; {} if never stepped), decoded."""
     hyperparameters: dict[str, dict[str, Any]]
     """Plan group -> torch param-group options (lr, betas, ...), decoded."""
     extras: Mapping[str, torch.Tensor]
@@ -203,28 +186,17 @@ class StagedState:
     """New optimizer step counter, or None to leave it."""
 
 
-def apply(opt: Any, staged: StagedState) -> None:
-    """Write a staged state into the optimizer and model; cannot fail half-way on input."""
-    inner_state: dict[int, dict[str, Any]] = {}
-    inner_groups = []
+def apply(opt: ShardedOptimizer, staged: StagedState) -> None:
+    """Write a staged state into the optimizer and model; cannot fail half-way on input.
+    Saved hyperparameters win, keys only the running groups hold (a scheduler's
+    `initial_lr`) are kept; saved optimizer state replaces the running state whole."""
     with torch.no_grad():
-        for index, g in enumerate(opt.plan.groups):
-            pg, master = inner_group(opt, index, g.name)
-            master.copy_(staged.masters[g.name])
-            state = {**staged.states[g.name], **staged.scalars[g.name]}
-            if state:
-                inner_state[index] = state
-            inner_groups.append({**pg, **staged.hyperparameters[g.name], "params": [index]})
-        # torch's own loader casts state to each master's device and dtype (step stays as
-        # saved unless the optimizer is capturable or fused), exactly as a resumed torch
-        # optimizer would be.
-        opt.optimizer.load_state_dict({"state": inner_state, "param_groups": inner_groups})
         if staged.extras:
             current = extra_tensors(opt)
             for name, value in staged.extras.items():
                 current[name].copy_(value)
-    if staged.loss_scaler is not None and getattr(opt, "loss_scaler", None) is not None:
-        opt.loss_scaler.load_state_dict(staged.loss_scaler)
-    if staged.step_count is not None:
-        opt.step_count = staged.step_count
-    opt.sync_params_from_master()
+    shards = {g.name: {"flats": {MASTER: staged.masters[g.name], **staged.states[g.name]},
+                       "param_scalars": staged.param_scalars[g.name],
+                       "hyperparameters": staged.hyperparameters[g.name]}
+              for g in opt.plan.groups}
+    opt.load_shard_state(shards, staged.step_count, staged.loss_scaler)

@@ -10,8 +10,10 @@ ZeRO-1/2 (deepspeed/runtime/zero/stage_1_and_2.py@0.19.8:3013-3216), in order:
 5. the optimizer steps the fp32 masters.
 
 Here step 1 is `ZeroOptimizer.clip_grad_norm_(inf)` (it only reads the norm, from the
-step's one all-reduce), steps 4-5 are `ZeroOptimizer.step()` with `combined` as the
-bridge's divisor, so the gradients are scaled exactly once, as in DeepSpeed.
+step's one all-reduce). `ZeroOptimizer`'s gradient shards hold true gradients: each was
+divided by the scale of its backward (the old scale) as it was reduced. So step 4
+multiplies the shards by `old_scale / combined`, which leaves them as DeepSpeed's
+`scaled / combined`, and step 5 is `ZeroOptimizer.step()`.
 
 Stage 0 (plain data parallelism in DeepSpeed) runs on ZeRO-1 here: with an elementwise
 optimizer sharding its state changes nothing in the result. DeepSpeed's stage-0 fp32 step
@@ -80,12 +82,15 @@ def boundary_step(zero: Any, scaler: DeepSpeedLossScaler, policy: StepPolicy,
     if overflow:
         zero.step()  # skips the update and drops the gradients
     else:
-        combined = 1.0 if policy.stage0 else scaler.cur_scale
-        if policy.clip > 0 and not policy.stage0:
-            # DeepSpeed computes this in float32 tensors; in double it differs by an ulp.
-            coef = max(1.0, ((norm * prev / scaler.cur_scale) + 1e-6) / policy.clip)
-            combined = coef * scaler.cur_scale
-        bridge.scale = combined
+        if not policy.stage0:
+            combined = scaler.cur_scale
+            if policy.clip > 0:
+                # DeepSpeed computes this in float32 tensors; in double it differs by an ulp.
+                coef = max(1.0, ((norm * prev / scaler.cur_scale) + 1e-6) / policy.clip)
+                combined = coef * scaler.cur_scale
+            if combined != prev:
+                for st in zero.groups.values():
+                    st.grad.mul_(prev / combined)
         zero.step()
     bridge.scale = scaler.cur_scale
     return StepOutcome(overflow, norm)

@@ -19,6 +19,7 @@ str, int, float, bool, None, tensors); anything else is an error naming the type
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from evenzero.checkpoint.format import MASTER
 from evenzero.deepspeed.log import info_rank0, warning_rank0
 
 LATEST = "latest"
@@ -158,26 +160,27 @@ def load_deepspeed_checkpoint(engine: Any, load_dir: str, tag: str, load_optimiz
     return os.path.join(load_dir, tag, MODEL_STATES), ckpt.client_state
 
 
-def _optimizer_snapshot(engine: Any) -> tuple[dict, dict]:
-    opt = engine.zero.optimizer
-    state = {id(p): {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
-             for p, s in opt.state.items()}
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    return {"state": state, "groups": groups}, engine.zero.loss_scaler.state_dict()
+def _optimizer_snapshot(engine: Any) -> dict[str, Any]:
+    """This rank's optimizer state except the masters (through the checkpoint protocol)."""
+    zero = engine.zero
+    shards = {}
+    for g in zero.plan.groups:
+        shard = zero.shard_state(g.name)
+        shards[g.name] = {
+            "flats": {k: v.clone() for k, v in shard["flats"].items() if k != MASTER},
+            "param_scalars": copy.deepcopy(dict(shard["param_scalars"])),
+            "hyperparameters": copy.deepcopy(dict(shard["hyperparameters"]))}
+    return {"shards": shards, "scaler": zero.loss_scaler_state()}
 
 
-def _restore_optimizer(engine: Any, before: tuple[dict, dict]) -> None:
+def _restore_optimizer(engine: Any, before: dict[str, Any]) -> None:
     """Keep the running optimizer state, hyperparameters and loss scale (DeepSpeed rebuilds
     only the fp32 masters from the loaded weights when optimizer states are not loaded)."""
-    snap, scaler = before
-    opt = engine.zero.optimizer
-    opt.state.clear()
-    for group, saved in zip(opt.param_groups, snap["groups"], strict=True):
-        group.update(saved)
-        for p in group["params"]:
-            if id(p) in snap["state"]:
-                opt.state[p] = snap["state"][id(p)]
-    engine.zero.loss_scaler.load_state_dict(scaler)
+    zero = engine.zero
+    shards = {name: {**saved, "flats": {MASTER: zero.shard_state(name)["flats"][MASTER],
+                                        **saved["flats"]}}
+              for name, saved in before["shards"].items()}
+    zero.load_shard_state(shards, None, before["scaler"])
 
 
 def _broadcast_from_rank0(value: Any) -> Any:

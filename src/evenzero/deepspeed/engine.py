@@ -31,6 +31,7 @@ from evenzero.deepspeed.config import EngineConfig
 from evenzero.deepspeed.engine_optimizer import EngineOptimizer
 from evenzero.deepspeed.launch import Placement
 from evenzero.deepspeed.log import logger
+from evenzero.runtime.shardedgrad import ShardedGrad
 
 
 class DeepSpeedEngine(torch.nn.Module):
@@ -242,9 +243,12 @@ class DeepSpeedEngine(torch.nn.Module):
         self._is_gradient_accumulation_boundary = is_boundary
 
     def zero_grad(self) -> None:
-        """Drop the parameters' local gradients (DeepSpeed's `engine.zero_grad`)."""
+        """Drop the parameters' local gradients (DeepSpeed's `engine.zero_grad`). Gradients
+        already reduced into this rank's shards (`p.grad` is their `ShardedGrad`
+        placeholder) are kept, as DeepSpeed keeps its reduced partitions."""
         for p in self.module.parameters():
-            p.grad = None
+            if not isinstance(p.grad, ShardedGrad):
+                p.grad = None
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         if self.inside_no_sync_ctxt:

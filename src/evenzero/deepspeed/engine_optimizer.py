@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from evenzero.deepspeed.loss_scaler import DeepSpeedLossScaler
+from evenzero.runtime.shardedgrad import ShardedGrad
 
 
 class EngineOptimizer:
@@ -19,26 +20,29 @@ class EngineOptimizer:
         self.zero = zero
         """The `evenzero.ZeroOptimizer` doing the work (plan, trace, memory_report, ...)."""
         self.loss_scaler = scaler
+        self.client: torch.optim.Optimizer | None = None
+        """The optimizer object the script passed to `initialize`, if any."""
         self.overflow = False
         """Whether the last boundary step found non-finite gradients (and was skipped)."""
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        """The torch optimizer stepping the flat fp32 master shards (DeepSpeed's
-        `basic_optimizer`; the client's own optimizer object when one was passed)."""
-        return self.zero.optimizer
+        """The torch optimizer (DeepSpeed's `basic_optimizer`): the client's optimizer
+        object when one was passed (it shares the `ZeroOptimizer`'s `param_groups`), else
+        the `ZeroOptimizer`. Its state is sharded over the ranks (`ZeroOptimizer.state_dict`)."""
+        return self.client if self.client is not None else self.zero
 
     @property
     def param_groups(self) -> list[dict]:
-        return self.zero.optimizer.param_groups
+        return self.zero.param_groups
 
     @property
     def state(self) -> Any:
-        return self.zero.optimizer.state
+        return self.zero.state
 
     @property
     def defaults(self) -> dict:
-        return self.zero.optimizer.defaults
+        return self.zero.defaults
 
     @property
     def loss_scale(self) -> float:
@@ -58,6 +62,8 @@ class EngineOptimizer:
         into this rank's shards in this accumulation window are kept, so a script calling
         `optimizer.zero_grad()` after every micro-step accumulates as under DeepSpeed."""
         for p in self.zero.params.values():
+            if isinstance(p.grad, ShardedGrad):
+                continue  # reduced already: it stands for this rank's shard, which is kept
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:

@@ -207,7 +207,9 @@ def _build_optimizer(model: torch.nn.Module, cfg: EngineConfig, client: Any, mod
         _initial_zero_gradient_step(zero)
     scaler = DeepSpeedLossScaler.from_precision(cfg.precision)
     zero.loss_scaler = ZeroScaleBridge(scaler)
-    return EngineOptimizer(zero, scaler), name
+    view = EngineOptimizer(zero, scaler)
+    view.client = client
+    return view, name
 
 
 def _check_adagrad(cfg: EngineConfig, choice: OptimizerChoice, groups: list[dict],
@@ -233,27 +235,23 @@ def _initial_zero_gradient_step(zero: Any) -> None:
     gradients when they are built (`initialize_optimizer_states`,
     deepspeed/runtime/fp16/fused_optimizer.py@0.19.8:125 and unfused_optimizer.py:412), so
     Adam's step count starts at 1 and decoupled weight decay is applied once to the fp32
-    masters (not to the model's bf16 weights until the first real step). Same here."""
-    masters = [zero.master_shard(g.name) for g in zero.plan.groups]
-    for m in masters:
-        m.grad = torch.zeros_like(m)
-    zero.optimizer.step()
-    for m in masters:
-        m.grad = None
+    masters (not to the model's bf16 weights until the first real step). Same here: every
+    parameter is stepped once on zeros."""
+    zero.step_masters_on_zero_grads()
 
 
 def _adopt_client(zero: Any, client: torch.optim.Optimizer) -> None:
-    """Make the client's optimizer object the one stepping the shards."""
-    inner = zero.optimizer
-    if len(inner.param_groups) != len(client.param_groups):
+    """The client's optimizer object keeps driving the options: its `param_groups` become
+    the `ZeroOptimizer`'s (the same dicts), so a scheduler bound to the client object
+    moves the learning rate that is stepped, as under DeepSpeed, where the client object
+    is the one stepping (deepspeed/runtime/engine.py@0.19.8:1700-1720)."""
+    if len(zero.param_groups) != len(client.param_groups):
         raise DeepSpeedConfigError(
             f"the client optimizer has {len(client.param_groups)} param groups but "
-            f"{len(inner.param_groups)} hold trainable parameters; remove groups that hold only "
+            f"{len(zero.param_groups)} hold trainable parameters; remove groups that hold only "
             f"frozen parameters")
-    for mine, theirs in zip(inner.param_groups, client.param_groups, strict=True):
-        theirs["params"] = mine["params"]
+    client.param_groups = zero.param_groups
     client.state.clear()
-    zero.optimizer = client
 
 
 def _build_scheduler(cfg: EngineConfig, client: Any, optimizer: torch.optim.Optimizer) -> Any:

@@ -60,6 +60,13 @@ class BackwardSide:
                                     f"zero_grad() or a forward in between")
         KEEPER.new_batch()
         self._life.begin_backward()
+        if self.loss_scaler.enabled and self.loss_scaler.scale != 1.0 and not self._loss_scaled:
+            self._life.note_problem(
+                f"a backward ran on a loss that was not scaled, while fp16 loss scaling is on "
+                f"(scale {self.loss_scaler.scale:g}): its gradients would be divided by the "
+                f"scale. Call opt.backward(loss) (or opt.scale_loss(loss).backward()) instead "
+                f"of loss.backward()")
+        self._loss_scaled = False
         # Layouts no forward pre-hook waited for; a gradient for one of their parameters
         # means the parameter was read while its gather could still be running.
         self._life.record.stale_layouts = set(self._prefetch.pending)
@@ -69,6 +76,7 @@ class BackwardSide:
         life = self._life
         rec = life.record
         rec.presence[self._index[name]] = 1.0
+        life.note_problem(self._clearing.accumulated(name))
         if rec.stale_layouts and self._prefetch.layout_of(name) in rec.stale_layouts:
             rec.read_early.append(name)
         if life.backward_synced and not life.measuring:
@@ -91,7 +99,8 @@ class BackwardSide:
             self._adopt_arrival([] if aborted else order)
         if life.backward_synced:
             problems = self._reducer.finish_grad_sync()
-            problems += backward_problems(life.record.read_early, self._module, self._managed)
+            problems += backward_problems(life.record.read_early, self._module, self._managed,
+                                          self._frozen)
             life.record.read_early = []
             # Raised at the step check, on every rank: raising here, on this rank only,
             # would leave the others waiting in that all-reduce.
@@ -159,10 +168,17 @@ class BackwardSide:
         """The step's one all-reduce; raises what any rank found, on every rank."""
         life = self._life
         KEEPER.new_batch()
+        # Clears since the last reduction (a zeroed placeholder, p.grad = None) apply now:
+        # the norm, the step and has_grad see the gradients torch would hold.
+        for name in self._clearing.settle():
+            group = self.plan.locate(name)[0]
+            for off, n in self._runs[group].runs.get(name, ()):
+                self.groups[group].grad[off:off + n].zero_()
+        has_grad = [self._clearing.has_grad[n] for n in self._names]
         try:
             stats = self._step_check((st.grad for st in self.groups.values()),
-                                     life.record.presence, self.loss_scaler.scale,
-                                     life.record.problem is not None)
+                                     life.record.presence, has_grad,
+                                     life.record.problem is not None, life.record.micro_batches)
         except ZeroRuntimeError:
             life.failed()  # a presence mismatch, raised alike on every rank
             raise
@@ -176,11 +192,10 @@ class BackwardSide:
         return stats
 
     def _clear_grads(self: ZeroOptimizer) -> None:
-        """Zero the gradient shards (and stage 1's buffers); drop any local `.grad`."""
+        """Zero the gradient shards (and stage 1's buffers); drop every `.grad`."""
         for st in self.groups.values():
             st.grad.zero_()
         self._reducer.zero_()
-        held = self._reducer.held_grads()
         for p in self.params.values():
-            if p.grad is not None and p.grad.data_ptr() not in held:
-                p.grad = None
+            p.grad = None
+        self._clearing.forget()

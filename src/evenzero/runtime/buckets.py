@@ -3,8 +3,9 @@
 * `FlatParams`: one buffer per ownership layout, in the parameter dtype. Every model
   parameter's `.data` is a view into it, so the step's all-gather writes the model
   parameters directly (as Megatron and DeepSpeed do). Padding is zero.
-* `GradBuffers` (stage 1): one persistent buffer per bucket; `param.grad` is a view into
-  it, so autograd accumulates in place and there is no copy.
+* `GradBuffers` (stage 1): one persistent buffer per bucket; a backward's first gradient
+  lands in its parameter's view of it (`ShardedGrad.landing`), which becomes
+  `param.grad`, so later micro-batches accumulate in place and there is no copy.
 * `BucketPool`: at most `slots` arenas per dtype in flight, one per bucket being
   reduced; stage 2 copies the bucket's gradients in with one batched `_foreach_copy_`
   when its last one arrives, and every collective takes its scratch from the same slot.

@@ -138,8 +138,9 @@ def check_presence(counts: Sequence[float], names: Sequence[str], world: int,
 
 
 def backward_problems(read_early: Sequence[str], module: torch.nn.Module,
-                      managed: set[int]) -> list[str]:
-    """What this rank alone can see went wrong in the backward that just ended."""
+                      managed: set[int], frozen: set[int] = frozenset()) -> list[str]:
+    """What this rank alone can see went wrong in the backward that just ended.
+    `frozen` holds the ids of parameters that were frozen when the optimizer was built."""
     problems = []
     if read_early:
         problems.append(
@@ -149,9 +150,16 @@ def backward_problems(read_early: Sequence[str], module: torch.nn.Module,
             f"overlap_param_gather=False")
     for name, p in module.named_parameters():
         if p.grad is not None and id(p) not in managed and p.requires_grad:
-            problems.append(
-                f"parameter {name!r} has a gradient but ZeroOptimizer does not manage it (added, "
-                f"replaced or unfrozen after construction); build ZeroOptimizer after the model "
-                f"is final")
+            if id(p) in frozen:
+                problems.append(
+                    f"parameter {name!r} was frozen (requires_grad=False) when ZeroOptimizer "
+                    f"was built, so it has no shard and no optimizer state, and it was unfrozen "
+                    f"since; build ZeroOptimizer with it trainable (freezing it later with "
+                    f"requires_grad_(False) is fine), or close() this one and build a new one")
+            else:
+                problems.append(
+                    f"parameter {name!r} has a gradient but ZeroOptimizer does not manage it "
+                    f"(added or replaced after construction); build ZeroOptimizer after the "
+                    f"model is final")
             break
     return problems

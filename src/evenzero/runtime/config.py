@@ -33,8 +33,8 @@ class ZeroConfig:
     `ZeroOptimizer(...)` as a keyword argument."""
 
     stage: int = 2
-    """1: each rank keeps full-size gradient buffers (autograd accumulates into them in
-    place); each bucket is reduced during backward as soon as it is complete, as in
+    """1: each rank keeps full-size gradient buffers (gradients land and accumulate in
+    them in place); each bucket is reduced during backward as soon as it is complete, as in
     stage 2, and only optimizer state and master weights are sharded. 2: each bucket's
     gradients are copied out and reduced as it fills, and only this rank's 1/N shard of
     the gradients is kept."""
@@ -68,7 +68,8 @@ class ZeroConfig:
     waits for the gathers of its own parameters in its forward pre-hook, so they overlap
     the next forward (seed model, 8 CPU ranks: ~5% off forward+backward+step). A
     parameter must then be read inside the forward of a module that holds it, or after
-    `opt.wait_for_params()`; `state_dict()`, `opt.module` and the optimizer's methods wait
+    `opt.wait_for_params()` (writes too: `p.data.clamp_()` right after the step);
+    `state_dict()`, `opt.module` and the optimizer's methods wait
     by themselves. False (default): `step()` returns with every parameter gathered, so
     code that reads parameters directly after the step sees the new values."""
 

@@ -19,6 +19,7 @@ expert groups too, which makes it the gradient of the mean loss over the global 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -26,6 +27,7 @@ from torch.profiler import record_function
 
 from evenzero.runtime.buckets import PoolSlot
 from evenzero.runtime.collectives import PieceCollective, ReduceScatter, TraceRecorder
+from evenzero.runtime.gradclear import add_reduced
 from evenzero.runtime.routes import BucketRoute
 from evenzero.runtime.shards import GroupState
 
@@ -42,8 +44,10 @@ class RouteExecutor(Protocol):
         """Issue the bucket's collectives on `bucket` (its gradients, reduce dtype)."""
 
     def finish_grad_sync(self, handle: Any, bucket: torch.Tensor, shard: torch.Tensor,
-                         scale: float) -> None:
-        """Wait for them and add this rank's reduced elements, times `scale`, to `shard`."""
+                         scale: float, cleared: Sequence[tuple[int, int]] = ()) -> None:
+        """Wait for them and add this rank's reduced elements, times `scale`, to `shard`;
+        the shard runs in `cleared` ((offset, numel): gradients the user cleared since
+        they were last reduced, `runtime/gradclear.py`) are overwritten instead."""
 
 
 class DirectShardSync:
@@ -65,14 +69,13 @@ class DirectShardSync:
         return work, output
 
     def finish_grad_sync(self, handle: Any, bucket: torch.Tensor, shard: torch.Tensor,
-                         scale: float) -> None:
+                         scale: float, cleared: Sequence[tuple[int, int]] = ()) -> None:
         work, output = handle
         with record_function("evenzero::wait"):
             work.wait()
         with record_function("evenzero::accumulate"):
             chunk = self.rs.chunk(output, self.group.size, shard.dtype)
-            off = self.route.direct_shard_offset
-            shard[off:off + chunk.numel()].add_(chunk, alpha=scale)
+            add_reduced(shard, self.route.direct_shard_offset, chunk, scale, cleared)
 
 
 class ReplaySync:
@@ -96,12 +99,14 @@ class ReplaySync:
         return issued
 
     def finish_grad_sync(self, handle: Any, bucket: torch.Tensor, shard: torch.Tensor,
-                         scale: float) -> None:
+                         scale: float, cleared: Sequence[tuple[int, int]] = ()) -> None:
         with record_function("evenzero::wait"):
             for call, message, work in handle:
                 work.wait()
                 call.finish(message, bucket)
         with record_function("evenzero::accumulate"):
+            for off, n in cleared:
+                shard[off:off + n].zero_()
             for piece in self.route.owned:
                 shard[piece.shard_offset:piece.shard_offset + piece.numel].add_(
                     bucket[piece.bucket_offset:piece.bucket_offset + piece.numel], alpha=scale)

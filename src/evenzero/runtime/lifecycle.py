@@ -75,6 +75,8 @@ class StepRecord:
     """A problem this rank alone found, raised at the step check on every rank."""
     stats: GradStats | None = None
     """The step check's result, once it ran (clip and step share it)."""
+    micro_batches: int = 0
+    """Backwards under no_sync() since the last step (checked equal on every rank)."""
 
 
 def in_backward() -> bool:
@@ -110,6 +112,8 @@ class Lifecycle:
             self.record.problem = self.record.problem or REFUSALS[TrainingState.FAILED]
         self.state = TrainingState.BACKWARD
         self.backward_synced = self.sync
+        if not self.sync:
+            self.record.micro_batches += 1
         self.record.stats = None
 
     def end_backward(self) -> None:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from evenzero.runtime.shardedgrad import ShardedGrad
+
 
 @dataclass(frozen=True)
 class MemoryReport:
@@ -41,7 +43,8 @@ def measure(groups: Iterable, reducer, params: Iterable[torch.nn.Parameter],
     groups = list(groups)
     held = reducer.held_grads()
     pending = sum(_nbytes(p.grad) for p in params
-                  if p.grad is not None and p.grad.data_ptr() not in held)
+                  if p.grad is not None and not isinstance(p.grad, ShardedGrad)
+                  and p.grad.data_ptr() not in held)
     state = sum(_nbytes(v) for s in optimizer.state.values() for v in s.values()
                 if torch.is_tensor(v))
     return MemoryReport(

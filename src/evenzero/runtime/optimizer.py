@@ -31,12 +31,22 @@ copy, launch, wait, accumulate, step check, step and gather.
 
 Usage beyond the basic loop (gradient accumulation with `no_sync()`, mixed precision
 and fp16 loss scaling with `opt.backward(loss)`, MoE `expert_groups`, checkpoints with
-`opt.save` / `opt.load`, DeepSpeed's schedule with `strategy="deepspeed-0.6"`) is in the
+`evenzero.checkpoint.save(opt, dir)` / `load`, DeepSpeed's schedule with `strategy="deepspeed-0.6"`) is in the
 README and in `ZeroConfig`'s field docstrings.
 
-Semantics worth knowing: a parameter that produced no gradient on any rank is stepped
-with a zero gradient (as in DeepSpeed, Megatron and FSDP), not skipped as torch.optim
-skips `grad=None`; one that produced a gradient on some ranks only is an error unless
+What it keeps from torch (README, "Coming from PyTorch / DDP"): it is a
+`torch.optim.Optimizer` whose `param_groups` are the user's groups, so LR schedulers and
+hyperparameter changes work; gradients accumulate until the user clears them, however
+they clear them (`runtime/gradclear.py`), and after a synchronised backward `p.grad` is a
+`ShardedGrad` placeholder (`runtime/shardedgrad.py`); a parameter no rank holds a
+gradient for is not stepped, and every parameter keeps its own step count
+(`runtime/maskedstep.py`); writes to the parameters between steps are picked up
+(`runtime/paramwrites.py`); `state_dict()` holds this rank's shard
+(`runtime/optstate.py`, `runtime/statedict.py`). Construction broadcasts the first
+rank's parameters and buffers, as DDP does, and refuses a model another live
+ZeroOptimizer manages (`close()` releases it).
+
+Semantics worth knowing: a gradient produced on some ranks only is an error unless
 `allow_partial_grads=True`. A rank whose backward reaches no managed parameter (but
 does go through the module's output) reduces zeros, so the others do not wait for it;
 the step then names the parameters, as above. Reentrant activation checkpointing is not
@@ -45,14 +55,17 @@ rank that raised settles its share of the collectives at its next zero_grad(), f
 or step, the others' step raises, and zero_grad() on every rank goes on. zero_grad()
 after a backward but before step() takes part in the step's one small all-reduce, so a
 rank that discards its gradients while the others step is an error, not a divergence.
+step() without a backward since the last step or zero_grad() is refused, and so is
+add_param_group() (the shard layout is planned once).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -69,24 +82,36 @@ from evenzero.runtime.collectives import (
     default_reduce_scatter_algorithm,
 )
 from evenzero.runtime.config import ZeroConfig
+from evenzero.runtime.gradclear import ClearTracker
 from evenzero.runtime.gradstats import GradStats, StepCheck, StepCheckConfig
 from evenzero.runtime.hooks import BackwardHooks
 from evenzero.runtime.lifecycle import Lifecycle, TrainingState
+from evenzero.runtime.maskedstep import MaskedStep
 from evenzero.runtime.memory import MemoryReport, measure
+from evenzero.runtime.paramwrites import adopt_replaced, refresh_masters
 from evenzero.runtime.precision import as_dtype, loss_scaler_for
 from evenzero.runtime.prefetch import ParamPrefetch
 from evenzero.runtime.reducer import GradientReducer, ReducerConfig
 from evenzero.runtime.routes import plan_routes
-from evenzero.runtime.setup import establish, make_plan
+from evenzero.runtime.setup import broadcast_initial_state, establish, make_plan
+from evenzero.runtime.shardedgrad import drop_placeholders, placeholders
+from evenzero.runtime.shardruns import ShardRuns
 from evenzero.runtime.shards import GroupState, gather_order, load_masters, reshard_group
-from evenzero.runtime.teardown import Resources, release_with
+from evenzero.runtime.statedict import ShardStateSide
+from evenzero.runtime.teardown import Resources, claim, release_with
 
 
-class ZeroOptimizer(BackwardSide):
+class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
     """Shards gradients (stage 2) and optimizer state (stages 1, 2) over data-parallel ranks.
 
+    A `torch.optim.Optimizer`: `param_groups` are the user's groups of model parameters
+    with their hyperparameters (an LR scheduler drives them; a change applies at the next
+    step); the inner `optimizer_class` instance that steps the flat master shards is an
+    implementation detail.
+
     Args:
-        module: the model, built identically on every rank (checked).
+        module: the model, with the same architecture on every rank (checked); its
+            parameters and buffers start from the first rank's values (broadcast).
         optimizer_class: an elementwise `torch.optim` optimizer class (e.g. AdamW).
         param_groups: optional `[{"params": [...], "process_group": pg, "name": str,
             **optimizer_kwargs}]`; a group with a process group of S ranks is reduced over
@@ -138,6 +163,9 @@ class ZeroOptimizer(BackwardSide):
         self.loss_scaler = loss_scaler_for(cfg.loss_scale, cfg.loss_scale_config,
                                             list(param_dtypes.values()))
 
+        broadcast_initial_state(module, setup.groups, self.world_group)
+        # Parameters frozen now are not managed; unfreezing one later is named at the step.
+        self._frozen = {id(p) for p in module.parameters() if not p.requires_grad}
         plan = make_plan(self.spec, self.world_size, cfg, setup.group_sizes)
         self.groups: dict[str, GroupState] = {}
         for g in setup.groups:
@@ -147,47 +175,86 @@ class ZeroOptimizer(BackwardSide):
                 param_dtypes[g.name], reduce_dtype or param_dtypes[g.name],
                 torch.zeros(n, dtype=master_dtype, device=setup.device),
                 torch.zeros(n, dtype=master_dtype, device=setup.device), g.options)
+        self._placeholders = placeholders(setup.named)
+        self._clearing = ClearTracker(self.params, self._placeholders)
+        self._loss_scaled = False
         self._recorder = TraceRecorder()
         self._step_check = StepCheck(StepCheckConfig(self._names, self.world_group,
                                                      self.world_size, setup.control_device,
                                                      cfg.allow_partial_grads), self._recorder)
         self._life = Lifecycle(len(self._names))
         self._prefetch = ParamPrefetch(module, self.params)
+        self._stepper: MaskedStep | None = None
         self._install(plan, previous=None)
-        self.optimizer = optimizer_class(
+        self._inner = optimizer_class(
             [{"params": [self.groups[g.name].master], **self.groups[g.name].options}
              for g in plan.groups], **kwargs)
+        self._inner_groups = {g.name: pg for g, pg in zip(plan.groups, self._inner.param_groups,
+                                                          strict=True)}
+        self._stepper = MaskedStep(self._inner, self._masters(), self._runs)
+        # The torch face: the user's groups, every option filled in from the inner
+        # optimizer's defaults, as torch fills them.
+        self._constructing = True
+        torch.optim.Optimizer.__init__(
+            self, [{"params": list(g.params), **g.options} for g in setup.groups],
+            dict(self._inner.defaults))
+        self._constructing = False
         self.step_count = 0
         self.last_step_skipped = False
         self._hooks = BackwardHooks(module, setup.named, self)
         self._hooks.record_arrival()
         # Finished work and hooks are released when this object goes away, at the latest
-        # at interpreter exit (runtime/teardown.py); nothing the model holds refers to it.
+        # at interpreter exit (runtime/teardown.py), or by close(); nothing the model holds
+        # refers to it.
         self._resources = Resources()
         self._resources.on_close(self._prefetch.remove)
         self._resources.on_close(self._hooks.remove)
+        self._resources.on_close(claim(list(self.params.values()), self))
+        self._resources.on_close(partial(drop_placeholders, self.params))
         release_with(self, self._resources)
 
     # ------------------------------------------------------------------ the plan
+
+    def _masters(self) -> dict[str, torch.Tensor]:
+        return {name: st.master for name, st in self.groups.items()}
 
     def _install(self, plan: Plan, previous: Plan | None) -> None:
         """Make `plan` the executed one: routes, flat buffers, masters, reducer."""
         self._prefetch.wait_all()
         routes = plan_routes(plan, dict(self._setup.group_ranks))
+        self._runs = {g: ShardRuns.of(plan, g, st.rank) for g, st in self.groups.items()}
         if previous is None or plan.layouts != previous.layouts:
             self._flat = FlatParams(plan, self.params, dict(self._setup.group_ranks))
             for st in self.groups.values():
                 if previous is None:
                     load_masters(plan, self._flat, st)
                     continue
-                reshard_group(self.optimizer, previous, plan, st)
+                reshard_group(self._inner, previous, plan, st)
+            if self._stepper is not None:
+                self._stepper = self._restepper()
         self.plan = plan
         self._reducer = GradientReducer(
             routes, self.params, self.groups,
             ReducerConfig(self.config.stage, self.world_size, self.config.max_buckets_in_flight,
-                          self._setup.device, REDUCE_SCATTERS[self.reduce_scatter_algorithm]),
-            self._recorder)
+                          self._setup.device, REDUCE_SCATTERS[self.reduce_scatter_algorithm],
+                          partial(getattr, self.loss_scaler, "scale")),
+            self._recorder, self._clearing, self._runs)
         self._prefetch.bind(plan, self._flat, self.groups, gather_order(plan, self.groups))
+
+    def _restepper(self) -> MaskedStep:
+        """The per-parameter stepper for new shard runs. A rank may now own runs of
+        parameters whose scalar state (step counts) only other ranks kept: every rank
+        shares what it has (a collective, only once something was stepped)."""
+        stepper = MaskedStep(self._inner, self._masters(), self._runs)
+        if self.step_count == 0 and not getattr(self, "_stepped_outside_step", False):
+            return stepper
+        mine = {g: self._stepper.param_state(g) for g in self.groups}
+        every: list = [None] * self.world_size
+        dist.all_gather_object(every, mine, group=self.world_group)
+        for g, runs in self._runs.items():
+            known = {n: s for theirs in every for n, s in theirs.get(g, {}).items()}
+            stepper.load_param_state(g, {n: known.get(n, {}) for n in runs.names})
+        return stepper
 
     # ------------------------------------------------------------------ backward
 
@@ -201,7 +268,9 @@ class ZeroOptimizer(BackwardSide):
             self._life.sync = previous
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss times the current loss scale (unchanged unless loss scaling is on)."""
+        """The loss times the current loss scale (unchanged unless loss scaling is on).
+        With fp16 loss scaling the next backward must run on this (checked)."""
+        self._loss_scaled = True
         return self.loss_scaler.scale_loss(loss)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -212,6 +281,9 @@ class ZeroOptimizer(BackwardSide):
 
     def _grad_stats(self, what: str) -> GradStats:
         """The step check's result, after making sure `what` may run now."""
+        if self._resources.closed:
+            raise ZeroRuntimeError(f"{what}() on a ZeroOptimizer that was closed; build a new "
+                                   f"one for the model")
         life = self._life
         if life.is_dead_backward():
             problem = self._recover()
@@ -239,11 +311,14 @@ class ZeroOptimizer(BackwardSide):
         return torch.tensor(stats.norm, dtype=torch.float32)
 
     @torch.no_grad()
-    def step(self, closure=None) -> None:
-        """Update the master shards and all-gather the parameters; skipped on fp16 overflow."""
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Update the master shards and all-gather the parameters; skipped on fp16
+        overflow. As in torch, `closure` (which runs forward and backward) is called
+        first, with gradients enabled, and its loss is returned."""
+        loss = None
         if closure is not None:
-            raise ZeroConfigError("step(closure) is not supported; compute the loss and call "
-                                  "backward() before step()")
+            with torch.enable_grad():
+                loss = closure()
         stats = self._grad_stats("step")
         with record_function("evenzero::step"):
             self.last_step_skipped = stats.overflow and self.loss_scaler.enabled
@@ -252,29 +327,38 @@ class ZeroOptimizer(BackwardSide):
                 for st in self.groups.values():
                     st.grad.zero_()
             else:
-                if self.loss_scaler.enabled and self.loss_scaler.scale != 1.0:
-                    for st in self.groups.values():
-                        st.grad.mul_(1.0 / self.loss_scaler.scale)
-                for st in self.groups.values():
-                    st.master.grad = st.grad
-                self.optimizer.step()
-                for st in self.groups.values():
-                    st.master.grad = None
+                self._step_shards(stats.present)
                 self.loss_scaler.update(overflow=False)
-                self._flat.repoint_moved()
                 self._prefetch.launch(self._recorder, self.config.overlap_param_gather)
                 self.step_count += 1
         self._recorder.close_step()
         self._life.reset()
+        return loss
+
+    def _step_shards(self, present: tuple[bool, ...]) -> None:
+        """Pick up writes to the parameters, take the groups' current hyperparameters,
+        and step every parameter some rank holds a gradient for."""
+        adopt_replaced(self._flat)
+        for name, st in self.groups.items():
+            refresh_masters(self.plan, self._flat, name, st.master)
+        for g, user in zip(self._setup.groups, self.param_groups, strict=True):
+            inner = self._inner_groups[g.name]
+            for key, value in user.items():
+                if key != "params":
+                    inner[key] = value
+        stepped = {n for n, here in zip(self._names, present, strict=True) if here}
+        active = {self.plan.locate(n)[0] for n in stepped}
+        self._stepper.step({name: st.grad for name, st in self.groups.items()}, stepped, active)
+        self._clearing.drop_absent([n for n in self._names if n not in stepped])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient shards (and stage 1's buffers); drop any local `.grad`.
+        """Clear the gradients as torch does: `p.grad = None`, or zeros with
+        `set_to_none=False` (a parameter holding zeros is still stepped, as in torch).
 
         After a backward that raised on this rank, this first finishes that backward's
         collectives with the other ranks (the error's advice). Gradients reduced but
         never stepped are discarded with the other ranks' agreement: a rank that steps
         them while another discards them raises instead of training differently."""
-        del set_to_none  # shards are kept allocated: they are the at-rest gradient memory
         life = self._life
         if life.is_dead_backward():
             self._recover()
@@ -282,11 +366,35 @@ class ZeroOptimizer(BackwardSide):
         if life.state is TrainingState.BACKWARD:
             raise ZeroRuntimeError("zero_grad() called during backward; call it before the "
                                    "forward or after step()")
-        if life.state is TrainingState.REDUCED:
+        if life.state is TrainingState.REDUCED and not self._resources.closed:
             life.note_problem("this rank discarded the step's gradients with zero_grad() "
                               "before step()")
             self._run_step_check(raise_problems=False)
-        self._void_step()
+        self._clearing.clear_all(set_to_none)
+        torch.optim.Optimizer.zero_grad(self, set_to_none)
+        self._reducer.zero_()
+        if self._recorder.pending:
+            self._recorder.close_step()
+        life.reset()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused after construction: the shard layout is planned once for all groups."""
+        if getattr(self, "_constructing", False):
+            torch.optim.Optimizer.add_param_group(self, param_group)
+            return
+        raise ZeroConfigError("add_param_group() is not supported by ZeroOptimizer: every "
+                              "parameter's place in the flat shards is planned at construction; "
+                              "pass all groups to ZeroOptimizer(model, cls, param_groups=[...]) "
+                              "(a group may start with lr=0), or close() and build a new one")
+
+    def close(self) -> None:
+        """Detach from the model: finish outstanding collectives, remove every hook,
+        drop the `ShardedGrad` placeholders from `p.grad` (set to None) and release the
+        model, so that another ZeroOptimizer may be built on it. The parameters keep
+        their current values. Dropping every reference to the optimizer (`del opt`) does
+        the same. A closed optimizer refuses to step. Not a collective."""
+        self._prefetch.wait_all()
+        self._resources.close()
 
     # ------------------------------------------------------------------ interface
 
@@ -295,20 +403,6 @@ class ZeroOptimizer(BackwardSide):
         """Collectives issued in the last step (backward ones in issue order, then the
         step's), as plan records; prints as a table and equals the plan's tuples."""
         return self._recorder.last
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    def master_shard(self, group: str) -> torch.Tensor:
-        """This rank's flat master shard of `group` (padding included, zeros)."""
-        return self._group(group).master
-
-    def group_rank(self, group: str) -> int:
-        return self._group(group).rank
-
-    def process_group(self, group: str):
-        return self._group(group).process_group
 
     @property
     def module(self) -> torch.nn.Module:
@@ -323,32 +417,7 @@ class ZeroOptimizer(BackwardSide):
         this optimizer's own methods wait by themselves); a no-op when nothing is pending."""
         self._prefetch.wait_all()
 
-    def sync_params_from_master(self) -> None:
-        """Re-gather the model parameters from the master shards (after loading them);
-        returns with every parameter gathered."""
-        with torch.no_grad():
-            self._prefetch.wait_all()
-            self._flat.repoint_moved()
-            self._prefetch.launch(None, overlap=False)
-
-    def save(self, directory, step: int | None = None):
-        """Write a sharded, atomic checkpoint (see `evenzero.checkpoint.save`)."""
-        from evenzero.checkpoint import save
-
-        return save(self, directory, step)
-
-    def load(self, directory):
-        """Load the newest complete checkpoint, any world size (`evenzero.checkpoint.load`)."""
-        from evenzero.checkpoint import load
-
-        return load(self, directory)
-
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds now for gradients, master weights and optimizer state."""
-        return measure(self.groups.values(), self._reducer, self.params.values(), self.optimizer,
+        return measure(self.groups.values(), self._reducer, self.params.values(), self._inner,
                        self._flat)
-
-    def _group(self, name: str) -> GroupState:
-        if name not in self.groups:
-            raise KeyError(f"no parameter group {name!r}; groups are {list(self.groups)}")
-        return self.groups[name]

@@ -27,7 +27,10 @@ from torch.profiler import record_function
 from evenzero.runtime.buckets import BucketPool, GradBuffers, PoolSlot
 from evenzero.runtime.collectives import ReduceScatter, TraceRecorder
 from evenzero.runtime.executors import RouteExecutor, executor_for
+from evenzero.runtime.gradclear import ClearTracker
 from evenzero.runtime.routes import BucketRoute
+from evenzero.runtime.shardedgrad import ShardedGrad
+from evenzero.runtime.shardruns import ShardRuns
 from evenzero.runtime.shards import GroupState
 
 
@@ -36,7 +39,8 @@ class ReducerConfig:
     """How the reducer runs, fixed for one plan."""
 
     stage: int
-    """1: persistent full-gradient buffers per bucket (autograd accumulates into them);
+    """1: persistent full-gradient buffers per bucket (gradients land and accumulate in
+    them: `ShardedGrad.landing`);
     2: each bucket's gradients are copied into a pool slot when it is complete."""
     world_size: int
     """Reduced gradients are divided by this: the mean over the global batch."""
@@ -46,6 +50,9 @@ class ReducerConfig:
     """Device of the gradients (and the pool)."""
     reduce_scatter: ReduceScatter
     """The reduce-scatter algorithm for the backend."""
+    loss_scale: Callable[[], float] = lambda: 1.0
+    """The loss scale of the running backward; gradients are divided by it as they are
+    accumulated, so the shards always hold true (unscaled) gradients."""
 
 
 @dataclass
@@ -54,6 +61,7 @@ class _InFlight:
     bucket: torch.Tensor
     slot: PoolSlot
     handle: Any
+    cleared: list[tuple[int, int]]
 
 
 class GradientReducer:
@@ -61,8 +69,10 @@ class GradientReducer:
 
     def __init__(self, routes: tuple[BucketRoute, ...], params: Mapping[str, torch.nn.Parameter],
                  groups: Mapping[str, GroupState], config: ReducerConfig, trace: TraceRecorder,
+                 clearing: ClearTracker, runs: Mapping[str, ShardRuns],
                  make_executor: Callable[..., RouteExecutor] = executor_for) -> None:
         self.routes, self.groups, self.config, self.trace = routes, groups, config, trace
+        self.clearing, self.runs = clearing, runs
         self.executors = [make_executor(r, groups[r.bucket.group], config.reduce_scatter)
                           for r in routes]
         self.route_params = [[params[s.name] for s in r.bucket.params] for r in routes]
@@ -136,14 +146,24 @@ class GradientReducer:
             self._finish_oldest()
         route = self.routes[pos]
         g = self.groups[route.bucket.group]
+        names = [s.name for s in route.bucket.params]
+        # Decided before the copy reads (and replaces) each `.grad`: the runs of gradients
+        # the user cleared since their last reduction are overwritten, not accumulated.
+        cleared = self.runs[g.name].of_params([n for n in names if self.clearing.cleared(n)])
         slot = self.pool.acquire(g.reduce_dtype)
         with record_function("evenzero::bucket_copy"):
             if self.config.stage == 2:
                 bucket = self._fill_stage2(route, slot, g)
             else:
                 bucket = self._fill_stage1(route, slot, g)
+        for n in names:
+            self.clearing.reduced(n)
+        if self.config.stage == 1:
+            # The next backward's first gradient lands in the buffer (`ShardedGrad.landing`).
+            for n, view in zip(names, self.grad_buffers.views[pos], strict=True):
+                self.clearing.placeholders[n].landing = view
         handle = self.executors[pos].start_grad_sync(bucket, slot, self.trace)
-        self.inflight.append(_InFlight(pos, bucket, slot, handle))
+        self.inflight.append(_InFlight(pos, bucket, slot, handle, cleared))
         self.started[pos] = True
 
     def _fill_stage2(self, route: BucketRoute, slot: PoolSlot, g: GroupState) -> torch.Tensor:
@@ -151,7 +171,7 @@ class GradientReducer:
         dst, src = [], []
         for s, p in zip(route.bucket.params, self.route_params[route.position], strict=True):
             region = buf[s.offset:s.offset + s.numel]
-            if p.grad is None:
+            if p.grad is None or isinstance(p.grad, ShardedGrad):
                 region.zero_()
             else:
                 dst.append(region)
@@ -161,23 +181,18 @@ class GradientReducer:
         if dst:
             # One batched copy for the whole bucket, converting to the reduce dtype.
             torch._foreach_copy_(dst, src)
-        for p in self.route_params[route.position]:
-            p.grad = None
         return buf
 
     def _fill_stage1(self, route: BucketRoute, slot: PoolSlot, g: GroupState) -> torch.Tensor:
         views = self.grad_buffers.views[route.position]
         for p, view in zip(self.route_params[route.position], views, strict=True):
             grad = p.grad
-            if grad is not None and grad.data_ptr() == view.data_ptr() and grad.dtype == view.dtype:
-                continue  # autograd accumulated in place into the buffer: nothing to do
-            if grad is None:
+            if grad is None or isinstance(grad, ShardedGrad):
                 view.zero_()
-            else:
-                # Someone replaced .grad (zero_grad(set_to_none) on the module, the first
-                # iteration): its contents are the whole gradient, so overwrite.
+            elif grad.data_ptr() != view.data_ptr() or grad.dtype != view.dtype:
+                # A gradient autograd did not land in the buffer (p.grad was None, or
+                # replaced by the user): its contents are the whole local gradient.
                 view.copy_(grad)
-            p.grad = view if view.dtype == p.dtype and view.shape == p.shape else None
         buf = self.grad_buffers.buffers[route.position]
         if not self._copies_in(g):
             return buf
@@ -189,8 +204,8 @@ class GradientReducer:
         f = self.inflight.popleft()
         route = self.routes[f.position]
         shard = self.groups[route.bucket.group].grad
-        self.executors[f.position].finish_grad_sync(f.handle, f.bucket, shard,
-                                                    1.0 / self.config.world_size)
+        scale = 1.0 / (self.config.world_size * self.config.loss_scale())
+        self.executors[f.position].finish_grad_sync(f.handle, f.bucket, shard, scale, f.cleared)
         if self.config.stage == 1:
             self.grad_buffers.buffers[f.position].zero_()
         self.pool.release(f.slot)
@@ -202,7 +217,8 @@ class GradientReducer:
             self.grad_buffers.zero_()
 
     def held_grads(self) -> set[int]:
-        """Data pointers of the `.grad` views that are the reducer's own buffers."""
+        """Data pointers of the `.grad` views that are the reducer's own buffers (stage 1,
+        between backwards under no_sync())."""
         if self.grad_buffers is None:
             return set()
         return {v.data_ptr() for vs in self.grad_buffers.views for v in vs}

@@ -22,7 +22,7 @@ from evenzero.runtime.checks import (
     agree,
     check_group_partition,
 )
-from evenzero.runtime.collectives import control_device
+from evenzero.runtime.collectives import broadcast, control_device
 from evenzero.runtime.config import ZeroConfig, check_elementwise
 from evenzero.runtime.groups import (
     GroupingError,
@@ -33,7 +33,8 @@ from evenzero.runtime.groups import (
     trainable,
 )
 from evenzero.runtime.precision import as_dtype
-from evenzero.spec import ModelSpec, dtype_name
+from evenzero.runtime.teardown import claimed
+from evenzero.spec import ModelSpec, dtype_name, is_expert
 from evenzero.strategies import PlanOptions, executable_plan
 
 
@@ -122,6 +123,11 @@ def establish(module: torch.nn.Module, optimizer_class, param_groups: Iterable[M
     try:
         if error:
             raise ZeroConfigError(error)
+        taken = claimed(named)
+        if taken is not None:
+            raise ZeroConfigError(f"the model is already managed by a live ZeroOptimizer "
+                                  f"(parameter {taken!r}); call close() on that one (or drop "
+                                  f"every reference to it) before building another")
         check_elementwise(optimizer_class, config.elementwise)
         groups = build_groups(module, world_group, param_groups, expert_groups)
         device = _check_devices(named)
@@ -133,8 +139,11 @@ def establish(module: torch.nn.Module, optimizer_class, param_groups: Iterable[M
     except (GroupingError, ZeroConfigError) as e:
         error = str(e)
     group_of = {n: g.name for g in groups for n in g.names}
+    # Buffers are described too: construction broadcasts them, so they must match.
     desc = RankDescription(
-        params=tuple((n, tuple(p.shape), dtype_name(p.dtype), group_of.get(n, "?")) for n, p in named),
+        params=tuple((n, tuple(p.shape), dtype_name(p.dtype), group_of.get(n, "?")) for n, p in named)
+        + tuple((n, tuple(b.shape), dtype_name(b.dtype), "(buffer)")
+                for n, b in module.named_buffers()),
         groups=tuple((g.name, sizes.get(g.name, 0)) for g in groups) if not error else (),
         settings=_settings(config, optimizer_class, {**defaults, **{
             f"{g.name}.{k}": v for g in groups for k, v in g.options.items()}}),
@@ -144,6 +153,47 @@ def establish(module: torch.nn.Module, optimizer_class, param_groups: Iterable[M
     check_group_partition(members, world_group, comm, [g.name for g in groups])
     spec = model_spec(type(module).__name__, named, groups, world, sizes)
     return Setup(tuple(named), groups, ranks, sizes, spec, device, comm)
+
+
+def broadcast_initial_state(module: torch.nn.Module, groups: Iterable[TrainGroup],
+                            world_group) -> None:
+    """Every rank starts from the first rank's values, as DDP's construction broadcasts
+    rank 0's (torch/nn/parallel/distributed.py@v2.13.0, `_sync_module_states`): each
+    group's trainable parameters from the first rank of its process group (an expert
+    group's from the first rank of its expert-data-parallel group), and frozen
+    parameters and buffers from rank 0 of the world, except those of modules that hold
+    expert parameters (they differ by expert-parallel rank by design)."""
+    trained: set[int] = set()
+    with torch.no_grad():
+        for g in groups:
+            _broadcast_flat(list(g.params), g.process_group)
+            trained.update(id(p) for p in g.params)
+        rest = []
+        for m in module.modules():
+            own = list(m.parameters(recurse=False))
+            if any(is_expert(p) for p in own):
+                continue
+            rest += [p for p in own if id(p) not in trained]
+            rest += list(m.buffers(recurse=False))
+        seen: set[int] = set()
+        _broadcast_flat([t for t in rest if not (id(t) in seen or seen.add(id(t)))], world_group)
+
+
+def _broadcast_flat(tensors: list[torch.Tensor], group) -> None:
+    """One broadcast per dtype of the tensors flattened, from the group's first rank."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_dtype.setdefault(t.dtype, []).append(t)
+    for ts in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in ts])
+        if flat.dtype == torch.bool:  # not every backend moves bools
+            flat = flat.to(torch.uint8)
+        broadcast(flat, 0, group)
+        offset = 0
+        for t in ts:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
 
 
 def plan_options(config: ZeroConfig) -> PlanOptions:

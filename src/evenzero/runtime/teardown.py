@@ -30,8 +30,10 @@ import atexit
 import contextlib
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 class WorkKeeper:
@@ -104,6 +106,37 @@ class Resources:
 def release_with(owner: Any, resources: Resources) -> None:
     """Close `resources` when `owner` is garbage collected (it must not reference owner)."""
     weakref.finalize(owner, resources.close)
+
+
+# A model's parameters belong to at most one live optimizer: a second one would register
+# a second set of hooks and train the same parameters twice. The claim is dropped by
+# `close()`, and when the optimizer is garbage collected (its weak reference dies).
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def claimed(named: Sequence[tuple[str, Any]]) -> str | None:
+    """The first of `named` that a live optimizer manages, or None."""
+    for name, p in named:
+        ref = _OWNERS.get(p)
+        if ref is not None and ref() is not None:
+            return name
+    return None
+
+
+def claim(params: Sequence[Any], owner: Any) -> Callable[[], None]:
+    """Mark `params` as managed by `owner`; returns the closer that releases them (it
+    holds the parameters, not the owner)."""
+    ref = weakref.ref(owner)
+    for p in params:
+        _OWNERS[p] = ref
+    held = list(params)
+
+    def release() -> None:
+        for p in held:
+            if _OWNERS.get(p) is ref:
+                del _OWNERS[p]
+
+    return release
 
 
 EXIT_DRAIN_SECONDS = 0.05

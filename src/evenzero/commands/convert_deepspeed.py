@@ -19,6 +19,7 @@ group's "name"); load it into a `ZeroOptimizer` built with the same groups and o
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -34,15 +35,16 @@ from evenzero.checkpoint.deepspeed import stage_deepspeed
 from evenzero.checkpoint.deepspeed_files import DeepSpeedFiles, read_deepspeed
 from evenzero.checkpoint.deepspeed_flat import FlatGroup
 from evenzero.checkpoint.deepspeed_optim import saved_decoupled
-from evenzero.checkpoint.format import CheckpointError
+from evenzero.checkpoint.format import MASTER, CheckpointError
 from evenzero.checkpoint.state import RankPlace, apply
 
 SUMMARY_FILE = "deepspeed.json"
 
 
 class OfflineRun:
-    """What `evenzero.checkpoint.save` and `load_deepspeed`'s staging read from a
-    `ZeroOptimizer`, for one rank and no process group."""
+    """A one-rank stand-in for `ZeroOptimizer` without a process group: it offers the
+    `evenzero.checkpoint.protocol.ShardedOptimizer` members that `save` and
+    `load_deepspeed`'s staging use."""
 
     def __init__(self, files: DeepSpeedFiles, optimizer_class: type) -> None:
         from evenzero.spec import GroupSpec, ModelSpec, ParamSpec
@@ -56,23 +58,55 @@ class OfflineRun:
                          tuple(GroupSpec(n) for n in names), None, "reverse-registration",
                          "deepspeed-checkpoint")
         self.plan = plan_evenzero(spec, 1)
-        self._masters = {n: torch.zeros(self.plan.shard_numel(n), dtype=torch.float32)
+        self.world_group = None
+        # The torch optimizer only supplies its class's default options per group.
+        defaults = optimizer_class([{"params": [torch.zeros(1, requires_grad=True)]}])
+        self.defaults = dict(defaults.defaults)
+        self._options = {n: {k: v for k, v in defaults.param_groups[0].items() if k != "params"}
                          for n in names}
-        self.optimizer = optimizer_class([{"params": [self._masters[n]]} for n in names])
+        self._optimizer_class = optimizer_class
+        self._flats: dict[str, dict[str, torch.Tensor]] = {
+            n: {MASTER: torch.zeros(self.plan.shard_numel(n), dtype=torch.float32)} for n in names}
+        self._scalars: dict[str, dict[str, Any]] = {n: {} for n in names}
         self.loss_scaler = _loss_scaler(files.loss_scaler)
         self.step_count = 0
 
-    def master_shard(self, group: str) -> torch.Tensor:
-        return self._masters[group]
+    @property
+    def inner_optimizer_class(self) -> type:
+        return self._optimizer_class
+
+    def process_group(self, group: str) -> Any:
+        return None
 
     def group_rank(self, group: str) -> int:
         return 0
 
-    def sync_params_from_master(self) -> None:
+    def shard_state(self, group: str) -> dict[str, Any]:
+        return {"flats": self._flats[group], "param_scalars": self._scalars[group],
+                "hyperparameters": self._options[group]}
+
+    def loss_scaler_state(self) -> dict[str, Any] | None:
+        return None if self.loss_scaler is None else self.loss_scaler.state_dict()
+
+    def check_loss_scaler_state(self, state: Mapping[str, Any]) -> None:
+        if self.loss_scaler is not None:
+            copy.deepcopy(self.loss_scaler).load_state_dict(dict(state))
+
+    def load_shard_state(self, shards: Mapping[str, Mapping[str, Any]], step_count: int | None,
+                         loss_scaler: Mapping[str, Any] | None) -> None:
+        for name, shard in shards.items():
+            self._flats[name] = {k: v.detach().to(torch.float32).clone()
+                                 for k, v in shard["flats"].items()}
+            self._scalars[name] = copy.deepcopy(dict(shard["param_scalars"]))
+            self._options[name] = {**self._options[name], **shard["hyperparameters"]}
+        if step_count is not None:
+            self.step_count = int(step_count)
+        if loss_scaler is not None and self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(dict(loss_scaler))
         params = dict(self.module.named_parameters())
         with torch.no_grad():
             for g in self.plan.groups:
-                master = self._masters[g.name]
+                master = self._flats[g.name][MASTER]
                 for r in self.plan.shard_ranges(g.name, 0):
                     flat = params[r.param].view(-1)
                     flat[r.start:r.start + r.numel] = master[r.shard_offset:r.shard_offset + r.numel]

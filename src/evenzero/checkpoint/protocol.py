@@ -1,0 +1,90 @@
+"""What `evenzero.checkpoint` needs from an optimizer: a small, documented Protocol.
+
+The checkpoint package and the runtime do not import each other. `ZeroOptimizer`
+satisfies `ShardedOptimizer` structurally (as torchtitan's components satisfy its
+`Stateful` protocol), and exchanges plain dicts shaped like `GroupShard`; anything
+else that offers the same members can be checkpointed the same way.
+
+What a checkpoint reads, per plan group, on each rank (`shard_state`):
+
+* `flats`: this rank's flat shard of the fp32 master weights (key "master") and of
+  every elementwise optimizer-state tensor (`exp_avg`, ...), each laid out as
+  `plan.shard_ranges(group, group_rank(group))` describes;
+* `param_scalars`: per parameter with elements in this shard, its scalar optimizer
+  state (`step`, NAdam's `mu_product`, ...; {} if it was never stepped). Parameters
+  keep their own `step`, as in torch.optim, because a step where a parameter had no
+  gradient leaves it alone;
+* `hyperparameters`: the torch param group's options (lr, betas, ...; no "params").
+
+What a load writes back (`load_shard_state`): the same three per group, resharded to
+this rank's ranges, plus the step counter and the loss scaler's state; the optimizer
+then re-gathers the model's parameters from the masters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, TypedDict, runtime_checkable
+
+import torch
+
+from evenzero.plan import Plan
+
+
+class GroupShard(TypedDict):
+    """One plan group's state on one rank."""
+
+    flats: Mapping[str, torch.Tensor]
+    """"master" and each elementwise state tensor, shard-shaped, fp32."""
+    param_scalars: Mapping[str, Mapping[str, Any]]
+    """Parameter name -> its scalar optimizer state ({}: never stepped)."""
+    hyperparameters: Mapping[str, Any]
+    """The torch param group's options, without "params"."""
+
+
+@runtime_checkable
+class ShardedOptimizer(Protocol):
+    """An optimizer whose master weights and state are sharded over data-parallel ranks."""
+
+    plan: Plan
+    """The executed plan: groups, layouts and which rank owns which runs."""
+    world_group: Any
+    """The data-parallel world process group."""
+    step_count: int
+    """Steps taken (skipped fp16 overflow steps excluded)."""
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The model, with every parameter holding its current value."""
+        ...
+
+    @property
+    def inner_optimizer_class(self) -> type[torch.optim.Optimizer]:
+        """The torch optimizer class that steps the shards (its `defaults` name the options)."""
+        ...
+
+    def process_group(self, group: str) -> Any:
+        """The process group plan group `group` is reduced and gathered over."""
+        ...
+
+    def group_rank(self, group: str) -> int:
+        """This rank's rank inside `process_group(group)`."""
+        ...
+
+    def shard_state(self, group: str) -> GroupShard:
+        """This rank's state of plan group `group` (tensors are not copies)."""
+        ...
+
+    def loss_scaler_state(self) -> dict[str, Any] | None:
+        """The loss scaler's state dict, or None without loss scaling."""
+        ...
+
+    def check_loss_scaler_state(self, state: Mapping[str, Any]) -> None:
+        """Raise ValueError if `state` could not be loaded; changes nothing."""
+        ...
+
+    def load_shard_state(self, shards: Mapping[str, GroupShard], step_count: int | None,
+                         loss_scaler: Mapping[str, Any] | None) -> None:
+        """Replace every group's state (all groups at once), the step counter (None:
+        keep) and the loss scaler (None: keep); then re-gather the parameters."""
+        ...

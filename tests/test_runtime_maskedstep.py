@@ -1,0 +1,161 @@
+"""Stepping flat shards per parameter equals torch.optim on the separate parameters
+(no processes): absent parameters untouched, each with its own step count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evenzero.runtime.maskedstep import MaskedStep
+from evenzero.runtime.shardruns import ShardRuns
+from evenzero.spec import GroupSpec, ModelSpec, ParamSpec
+from evenzero.strategies import PlanOptions, plan
+
+SHAPES = {"a": (7, 5), "b": (13,), "c": (3, 4), "d": (9,), "e": (6, 2)}
+OPTIMIZERS = {
+    "AdamW": (torch.optim.AdamW, {"lr": 0.05, "weight_decay": 0.1}),
+    "Adam-amsgrad": (torch.optim.Adam, {"lr": 0.05, "amsgrad": True, "weight_decay": 0.01}),
+    "SGD-momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.2,
+                                       "weight_decay": 0.01}),
+    "SGD-nesterov": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+    "RMSprop": (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5, "centered": True}),
+    "Adagrad": (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.01, "weight_decay": 0.01}),
+    "NAdam": (torch.optim.NAdam, {"lr": 0.05, "weight_decay": 0.01}),
+    "RAdam": (torch.optim.RAdam, {"lr": 0.05, "decoupled_weight_decay": True,
+                                  "weight_decay": 0.1}),
+    "Adamax": (torch.optim.Adamax, {"lr": 0.05}),
+    "ASGD": (torch.optim.ASGD, {"lr": 0.05, "t0": 2}),
+}
+# Which parameters have a gradient at each step: everything (fast path), one absent,
+# one never seen before, classes of different step counts, nothing here at all.
+PRESENCE = [set("abce"), set("abcde"), set("abcde"), set("acd"), set("abcde"), set("bd"),
+            set("abcde"), set(), set("abcde")]
+
+
+def _plan(world: int, bucket: int):
+    spec = ModelSpec(tuple(ParamSpec(n, s, "dense") for n, s in SHAPES.items()),
+                     (GroupSpec("dense"),), tuple(reversed(SHAPES)))
+    return plan(spec, world, "evenzero", PlanOptions(bucket_numel=bucket, alignment_bytes=4))
+
+
+def _gather(p, ranges, values):
+    out = torch.zeros(p.shard_numel("dense"))
+    for r in ranges:
+        out[r.shard_offset:r.shard_offset + r.numel] = values[r.param].reshape(-1)[
+            r.start:r.start + r.numel]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("world,rank,bucket", [(1, 0, 1000), (3, 1, 16), (2, 0, 24)])
+def test_masked_step_equals_torch_per_parameter(name, world, rank, bucket):
+    cls, kw = OPTIMIZERS[name]
+    gen = torch.Generator().manual_seed(0)
+    init = {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
+    ref = {n: torch.nn.Parameter(v.clone()) for n, v in init.items()}
+    ref_opt = cls(list(ref.values()), **kw)
+
+    p = _plan(world, bucket)
+    ranges = p.shard_ranges("dense", rank)
+    runs = ShardRuns.of(p, "dense", rank)
+    master = torch.nn.Parameter(_gather(p, ranges, init))
+    opt = cls([master], **kw)
+    stepper = MaskedStep(opt, {"dense": master}, {"dense": runs})
+
+    for step, present in enumerate(PRESENCE):
+        grads = {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
+        for n, prm in ref.items():
+            prm.grad = grads[n].clone() if n in present else None
+        ref_opt.step()
+        stepper.step({"dense": _gather(p, ranges, grads)}, present)
+        want = _gather(p, ranges, {n: v.detach() for n, v in ref.items()})
+        torch.testing.assert_close(master.detach(), want, rtol=1e-6, atol=1e-6,
+                                   msg=lambda m, s=step: f"step {s}: {m}")
+        for n, count in stepper.step_counts("dense").items():
+            st = ref_opt.state.get(ref[n], {})
+            if "step" in st:
+                assert count == int(st["step"]), (n, count, st["step"])
+
+
+def test_uniform_presence_stays_on_the_fast_path():
+    p = _plan(2, 16)
+    runs = ShardRuns.of(p, "dense", 0)
+    master = torch.nn.Parameter(torch.zeros(p.shard_numel("dense")))
+    opt = torch.optim.AdamW([master], lr=0.1)
+    stepper = MaskedStep(opt, {"dense": master}, {"dense": runs})
+    calls = []
+    original = stepper._step_slow
+    stepper._step_slow = lambda *a: calls.append(a) or original(*a)
+    for _ in range(3):
+        stepper.step({"dense": torch.ones_like(master)}, SHAPES)
+    assert not calls
+    # One absent step: slow; afterwards the lagging parameter keeps its own class.
+    stepper.step({"dense": torch.ones_like(master)}, set(SHAPES) - {runs.names[0]})
+    assert len(calls) == 1
+    counts = stepper.step_counts("dense")
+    assert counts[runs.names[0]] == 3 and all(c == 4 for n, c in counts.items()
+                                               if n != runs.names[0])
+
+
+def test_state_round_trip_merges_equal_classes():
+    p = _plan(1, 1000)
+    runs = ShardRuns.of(p, "dense", 0)
+    master = torch.nn.Parameter(torch.zeros(p.shard_numel("dense")))
+    opt = torch.optim.Adam([master], lr=0.1)
+    stepper = MaskedStep(opt, {"dense": master}, {"dense": runs})
+    stepper.step({"dense": torch.ones_like(master)}, {"a", "b"})
+    saved = stepper.param_state("dense")
+    assert saved["c"] == {} and int(saved["a"]["step"]) == 1
+    other = MaskedStep(opt, {"dense": master}, {"dense": runs})
+    other.load_param_state("dense", saved)
+    assert other.class_of["dense"]["a"] is other.class_of["dense"]["b"]
+    assert other.class_of["dense"]["a"] is not other.class_of["dense"]["c"]
+    with pytest.raises(KeyError, match="no optimizer state"):
+        other.load_param_state("dense", {"a": {}})
+
+
+def test_groups_of_one_optimizer_step_independently():
+    """Two masters in one optimizer (dense and experts, different lr): one group on the
+    fast path, the other with an absent parameter, in the same step."""
+    gen = torch.Generator().manual_seed(1)
+    shapes = {"x": (5,), "y": (3,), "u": (4,), "v": (6,)}
+    init = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+    ref = {n: torch.nn.Parameter(v.clone()) for n, v in init.items()}
+    ref_opt = torch.optim.AdamW([{"params": [ref["x"], ref["y"]]},
+                                 {"params": [ref["u"], ref["v"]], "lr": 0.3}], lr=0.1)
+    dense = torch.nn.Parameter(torch.cat([init["x"], init["y"]]))
+    experts = torch.nn.Parameter(torch.cat([init["u"], init["v"]]))
+    opt = torch.optim.AdamW([{"params": [dense]}, {"params": [experts], "lr": 0.3}], lr=0.1)
+    runs = {"dense": ShardRuns(8, {"x": ((0, 5),), "y": ((5, 3),)}),
+            "experts": ShardRuns(10, {"u": ((0, 4),), "v": ((4, 6),)})}
+    stepper = MaskedStep(opt, {"dense": dense, "experts": experts}, runs)
+    for present in [set("xyuv"), set("xyu"), set("xyuv"), set("uv")]:
+        grads = {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+        for n, prm in ref.items():
+            prm.grad = grads[n] if n in present else None
+        ref_opt.step()
+        stepped = stepper.step({"dense": torch.cat([grads["x"], grads["y"]]),
+                                "experts": torch.cat([grads["u"], grads["v"]])}, present)
+        assert set(stepped) == {g for g, r in runs.items() if set(r.names) & present}
+        torch.testing.assert_close(dense.detach(), torch.cat([ref["x"], ref["y"]]).detach(),
+                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(experts.detach(), torch.cat([ref["u"], ref["v"]]).detach(),
+                                   rtol=1e-6, atol=1e-6)
+    assert dense.grad is None and experts.grad is None
+
+
+def test_a_group_active_elsewhere_gets_its_state_kinds_here():
+    """Nothing of this rank's shard had a gradient, but the group stepped on another
+    rank: the state tensors exist here too (checkpoints gather them), values untouched."""
+    p = _plan(1, 1000)
+    runs = ShardRuns.of(p, "dense", 0)
+    master = torch.nn.Parameter(torch.randn(p.shard_numel("dense")))
+    before = master.detach().clone()
+    opt = torch.optim.AdamW([master], lr=0.1, weight_decay=0.5)
+    stepper = MaskedStep(opt, {"dense": master}, {"dense": runs})
+    assert stepper.step({"dense": torch.ones_like(master)}, set(), active={"dense"}) == []
+    assert torch.equal(master.detach(), before)
+    assert set(opt.state[master]) == {"exp_avg", "exp_avg_sq"}
+    assert all(s == {} for s in stepper.param_state("dense").values())
+    stepper.step({"dense": torch.ones_like(master)}, set(SHAPES))
+    assert all(int(s["step"]) == 1 for s in stepper.param_state("dense").values())
