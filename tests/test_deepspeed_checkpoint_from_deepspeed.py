@@ -69,9 +69,8 @@ Pairs = tuple[tuple[str, str], ...]
 
 
 def _deepspeed_job(rank: int, world: int, pairs: Pairs, root: str) -> dict:
-    from deepspeed_ckpt_job import deepspeed_rank
-
     import ds_train_script as script
+    from deepspeed_ckpt_job import deepspeed_rank
 
     deepspeed = deepspeed_rank(rank, world, fp16=True)
     os.chdir(root)

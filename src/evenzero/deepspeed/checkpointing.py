@@ -25,7 +25,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from evenzero.checkpoint.format import MASTER
