@@ -156,13 +156,12 @@ def _deepspeed_env(rank: int, world: int) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="1", DS_ACCELERATOR="cpu")
 
 
-def train_deepspeed(rank: int, world: int, run: Run, out: str) -> dict[str, Any]:
-    """Train SAVED_AT steps, save to `out`, train `run.steps` more; the losses after."""
+def deepspeed_rank(rank: int, world: int, fp16: bool) -> Any:
+    """Set this gloo rank up for real DeepSpeed on the CPU; returns the deepspeed module."""
+    import importlib
     import logging
 
     _deepspeed_env(rank, world)
-    import importlib
-
     import deepspeed
     from deepspeed.utils import logger
 
@@ -171,11 +170,19 @@ def train_deepspeed(rank: int, world: int, run: Run, out: str) -> dict[str, Any]
     # cache; gloo does the same reductions. (`import deepspeed.comm.torch as m` would
     # bind torch itself: deepspeed.comm has an attribute named torch.)
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    if run.precision == "fp16":
+    if fp16:
+        # DeepSpeed's CPU accelerator refuses fp16 where mkldnn lacks fp16 kernels; the
+        # ops these models use run in fp16 on any CPU.
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
         CPU_Accelerator.is_fp16_supported = lambda self: True
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    return deepspeed
+
+
+def train_deepspeed(rank: int, world: int, run: Run, out: str) -> dict[str, Any]:
+    """Train SAVED_AT steps, save to `out`, train `run.steps` more; the losses after."""
+    deepspeed = deepspeed_rank(rank, world, run.precision == "fp16")
     torch.manual_seed(0)
     model = MoENet() if run.moe else TiedNet()
     parameters = decay_groups(model) if run.decay_groups else model.parameters()

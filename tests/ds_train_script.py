@@ -123,6 +123,36 @@ CASES: dict[str, dict] = {
     "bf16_zero2": _base(2, bf16={"enabled": True}, gradient_clipping=0.5, optimizer=_adam()),
 }
 CASES["zero2_fused_adam"]["scheduler"] = CASES["zero2_adam"]["scheduler"]
+
+
+def _resume_case(stage: int, **extra) -> dict:
+    """A fixed global batch of 16 (micro-batch 4; the accumulation steps follow the world
+    size, 2 at 2 ranks, 1 at 4), so the same config runs at both."""
+    cfg = _base(stage, train_batch_size=16, gradient_clipping=0.3, optimizer={
+        "type": "AdamW", "params": {"lr": 8e-3, "weight_decay": 0.05, "torch_adam": True}},
+        scheduler={"type": "WarmupDecayLR", "params": {
+            "total_num_steps": 12, "warmup_min_lr": 1e-3, "warmup_max_lr": 8e-3,
+            "warmup_num_steps": 4, "warmup_type": "linear"}}, **extra)
+    del cfg["gradient_accumulation_steps"]
+    return cfg
+
+
+# Save with real DeepSpeed after SAVE_EPOCHS, resume (DeepSpeed or evenzero.deepspeed) from
+# the checkpoint for the rest (`save_and_continue`, `resume`).
+RESUME_CASES = {
+    "resume_zero2": _resume_case(2),
+    "resume_zero1": _resume_case(1),
+    # fp16 from a far too high scale: overflows (hysteresis 2, then spent), growth every 2
+    # good steps; the save falls between an overflow and the next growth.
+    "resume_fp16": _resume_case(2, fp16={"enabled": True, "initial_scale_power": 20,
+                                         "loss_scale_window": 2, "hysteresis": 2,
+                                         "min_loss_scale": 1}),
+    "resume_bf16": _resume_case(2, bf16={"enabled": True}),
+}
+CASES.update(RESUME_CASES)
+OVERFLOW_AT = {"resume_fp16": 6}
+"""Optimizer step on which rank 0's loss is made infinite: an overflow right after the
+load, at any world size, where the saved hysteresis (spent) halves the scale at once."""
 EPOCHS = 3
 # Cases that hand `training_data` to initialize (DeepSpeed's loader forks two workers per
 # epoch, which is slow); the others build their own DistributedSampler loader, as many
@@ -256,6 +286,88 @@ def train(deepspeed, case: str, args=None, epochs: int = EPOCHS) -> dict:
                       engine.gradient_accumulation_steps()],
             "loader_len": len(loader), "params": _params(engine.module),
             "scheduler": type(scheduler).__name__ if scheduler is not None else None}
+
+
+SAVE_EPOCHS, RESUME_EPOCHS = 2, 4
+"""`save_and_continue` saves after SAVE_EPOCHS epochs (3 optimizer steps each at the
+global batch of 16); training goes on to RESUME_EPOCHS."""
+SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def save_and_continue(deepspeed, case: str, save_dir: str) -> dict:
+    """Train, `engine.save_checkpoint(save_dir, client_state=...)`, train on."""
+    engine, *_ = initialize(deepspeed, case)
+    before = train_epochs(engine, range(SAVE_EPOCHS), OVERFLOW_AT.get(case))
+    engine.save_checkpoint(save_dir, client_state={
+        "epoch": SAVE_EPOCHS, "note": "saved by ds_train_script", "data": torch.arange(3)})
+    after = train_epochs(engine, range(SAVE_EPOCHS, RESUME_EPOCHS), OVERFLOW_AT.get(case))
+    return {"before": before, "after": after, "params": _params(engine.module)}
+
+
+def resume(deepspeed, case: str, load_dir: str, **load_options) -> dict:
+    """A fresh engine: `engine.load_checkpoint(load_dir, **load_options)`, then the epochs
+    left, the first one taken from the client state."""
+    engine, _, _, scheduler = initialize(deepspeed, case)
+    path, client = engine.load_checkpoint(load_dir, **load_options)
+    loaded = {"path": path, "client": _plain(client), "global_steps": engine.global_steps,
+              "global_samples": engine.global_samples, "skipped_steps": engine.skipped_steps,
+              "lr": engine.get_lr(), "scheduler": scheduler.state_dict(),
+              "scaler": scaler_fields(engine)}
+    after = train_epochs(engine, range(client["epoch"], RESUME_EPOCHS), OVERFLOW_AT.get(case))
+    return {"loaded": loaded, "after": after, "params": _params(engine.module),
+            "global_steps": engine.global_steps, "skipped_steps": engine.skipped_steps}
+
+
+def train_epochs(engine, epochs: range, overflow_at: int | None = None) -> dict:
+    """Train over this script's loader, `sampler.set_epoch` per epoch; per optimizer step:
+    the global mean loss, the LR, the loss scaler and the gradient norm."""
+    loader = own_loader(engine)
+    dtype = (torch.bfloat16 if engine.bfloat16_enabled() else
+             torch.float16 if engine.fp16_enabled() else None)
+    gas = engine.gradient_accumulation_steps()
+    out: dict[str, list] = {"losses": [], "lrs": [], "scalers": [], "grad_norms": []}
+    total = 0.0
+    for epoch in epochs:
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            x = x.to(engine.device) if dtype is None else x.to(engine.device, dtype)
+            loss = F.cross_entropy(engine(x).float(), y.to(engine.device))
+            boundary = engine.is_gradient_accumulation_boundary()
+            total += loss.item() / gas
+            if engine.global_steps == overflow_at and engine.global_rank == 0:
+                loss = loss * float("inf")
+            engine.backward(loss)
+            engine.step()
+            if boundary:
+                mean = torch.tensor([total], dtype=torch.float64)
+                torch.distributed.all_reduce(mean)
+                out["losses"].append(mean.item() / torch.distributed.get_world_size())
+                out["lrs"].append(engine.get_lr())
+                out["scalers"].append(scaler_fields(engine))
+                out["grad_norms"].append(float(engine.get_global_grad_norm()))
+                total = 0.0
+    return out
+
+
+def scaler_fields(engine) -> dict:
+    """The fp16 loss scaler's state (`engine.optimizer.loss_scaler` in both)."""
+    scaler = engine.optimizer.loss_scaler
+    if not scaler.dynamic:
+        return {"cur_scale": scaler.cur_scale}
+    return {f: getattr(scaler, f) for f in SCALER_FIELDS}
+
+
+def _plain(value):
+    """Picklable plain values (tensors and sizes as lists) to compare across processes."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, torch.Size)):
+        return [_plain(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
 
 
 def _params(module: nn.Module) -> dict[str, list[float]]:

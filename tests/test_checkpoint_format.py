@@ -28,13 +28,12 @@ from evenzero.checkpoint.format import (
     MASTER,
     CheckpointError,
     Manifest,
-    RankIndex,
     StoredGroup,
     StoredParam,
-    merge_indices,
     rank_file,
     storage_name,
 )
+from evenzero.checkpoint.rankindex import RankIndex, merge_indices
 from evenzero.checkpoint.reshard import (
     assemble_shard,
     fill_shard,

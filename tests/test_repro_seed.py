@@ -7,8 +7,10 @@ import pytest
 from evenzero.repro import ReproConfig, run
 from evenzero.repro.report import loss_agreement, seed_rows
 
-# shared/reference/seed-case.md: the 13 rows of the report, sorted by destination, and the
-# 14th (the gate) that appears when the gate's gradient hook is intact.
+# The seed case as observed under DeepSpeed v0.12.3's per-destination reduces
+# (deepspeed/runtime/zero/stage_1_and_2.py@v0.12.3, average_tensor): the 13 rows of the
+# report, sorted by destination, and the 14th (the gate) that appears when the gate's
+# gradient hook is intact.
 REPORT_ROWS = [(0, 1002000, 252250), (0, 6006000, 4004000), (1, 1254250, 252250),
                (1, 2002000, 4004000), (2, 1506500, 252250), (3, 1000, 8000), (3, 1001000, 1000),
                (3, 1758750, 243250), (4, 9000, 252250), (5, 261250, 252250), (6, 513500, 252250),

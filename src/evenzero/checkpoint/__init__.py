@@ -58,14 +58,13 @@ from evenzero.checkpoint.format import (
     CheckpointError,
     FileRecord,
     Manifest,
-    RankIndex,
     StoredGroup,
     StoredParam,
     StoredTensor,
-    merge_indices,
     rank_file,
     step_dirname,
 )
+from evenzero.checkpoint.rankindex import RankIndex, merge_indices
 from evenzero.checkpoint.reshard import assemble_shard, plan_reads, runs_index, split_shard
 from evenzero.checkpoint.state import (
     RankPlace,

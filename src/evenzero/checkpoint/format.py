@@ -27,7 +27,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 FORMAT = "evenzero-checkpoint"
@@ -177,10 +177,10 @@ class Manifest:
             "step": self.step, "step_count": self.step_count, "world_size": self.world_size,
             "strategy": self.strategy, "library_version": self.library_version,
             "optimizer": {"class": self.optimizer_class,
-                          "groups": [_group_json(g) for g in self.groups]},
+                          "groups": [group_json(g) for g in self.groups]},
             "loss_scaler": self.loss_scaler,
-            "files": [_file_json(f) for f in self.files],
-            "params": {p.key: _param_json(p) for p in self.params},
+            "files": [file_json(f) for f in self.files],
+            "params": {p.key: param_json(p) for p in self.params},
             "extras": {t.name: {"shape": list(t.shape), "dtype": t.dtype} for t in self.extras},
             "user_state": {str(r): name for r, name in sorted(self.user_state.items())},
         }
@@ -235,11 +235,11 @@ def _plain_name(value: Any, name: str) -> str:
     return value
 
 
-def _file_json(f: FileRecord) -> dict[str, Any]:
+def file_json(f: FileRecord) -> dict[str, Any]:
     return {"name": f.name, "rank": f.rank, "sha256": f.sha256, "bytes": f.nbytes}
 
 
-def _file_parse(f: Mapping[str, Any], name: str) -> FileRecord:
+def file_parse(f: Mapping[str, Any], name: str) -> FileRecord:
     digest = _text(f["sha256"], f"{name}.sha256")
     if not re.fullmatch(r"[0-9a-f]{64}", digest):
         raise _Damaged(f"{name}.sha256 {digest!r} is not a sha256 hex digest")
@@ -247,12 +247,12 @@ def _file_parse(f: Mapping[str, Any], name: str) -> FileRecord:
                       digest, _whole(f["bytes"], f"{name}.bytes"))
 
 
-def _param_json(p: StoredParam) -> dict[str, Any]:
+def param_json(p: StoredParam) -> dict[str, Any]:
     return {"name": p.name, "group": p.group, "ep_rank": p.ep_rank, "shape": list(p.shape),
             "dtype": p.dtype, "ranges": [[r.file, r.start, r.numel] for r in p.ranges]}
 
 
-def _param_parse(key: str, p: Mapping[str, Any]) -> StoredParam:
+def param_parse(key: str, p: Mapping[str, Any]) -> StoredParam:
     at = f"params[{key!r}]"
     ranges = []
     for i, run in enumerate(p["ranges"]):
@@ -267,13 +267,13 @@ def _param_parse(key: str, p: Mapping[str, Any]) -> StoredParam:
                        tuple(sorted(ranges, key=lambda r: r.start)))
 
 
-def _group_json(g: StoredGroup) -> dict[str, Any]:
+def group_json(g: StoredGroup) -> dict[str, Any]:
     return {"name": g.name, "expert_parallel_size": g.expert_parallel_size, "size": g.size,
             "hyperparameters": dict(g.hyperparameters), "scalars": dict(g.scalars),
             "state_keys": list(g.state_keys), "param_scalars": dict(g.param_scalars)}
 
 
-def _group_parse(g: Mapping[str, Any], at: str) -> StoredGroup:
+def group_parse(g: Mapping[str, Any], at: str) -> StoredGroup:
     for part in ("hyperparameters", "scalars", "param_scalars"):
         if not isinstance(g.get(part, {}), Mapping):
             raise _Damaged(f"{at}.{part} is not an object")
@@ -309,7 +309,7 @@ def _parse(data: Any, where: str) -> Manifest:
                               f"evenzero reads version {FORMAT_VERSION}; load it with a matching "
                               f"evenzero release and export_consolidated() it")
     world = _whole(data["world_size"], "world_size", 1)
-    files = tuple(_file_parse(f, f"files[{i}]") for i, f in enumerate(data["files"]))
+    files = tuple(file_parse(f, f"files[{i}]") for i, f in enumerate(data["files"]))
     known = {f.name for f in files}
     if len(known) != len(files):
         raise _Damaged("files lists a file name twice")
@@ -318,11 +318,11 @@ def _parse(data: Any, where: str) -> Manifest:
             raise _Damaged(f"file {f.name!r} is written by rank {f.rank} of {world}")
     params = []
     for key, p in data["params"].items():
-        sp = _param_parse(key, p)
+        sp = param_parse(key, p)
         _check_coverage(sp, known, where)
         params.append(sp)
     opt = data["optimizer"]
-    groups = tuple(_group_parse(g, f"optimizer.groups[{i}]") for i, g in enumerate(opt["groups"]))
+    groups = tuple(group_parse(g, f"optimizer.groups[{i}]") for i, g in enumerate(opt["groups"]))
     if len({g.name for g in groups}) != len(groups):
         raise _Damaged("optimizer.groups lists a group name twice")
     extras = tuple(StoredTensor(n, tuple(_whole(d, f"extras[{n!r}].shape") for d in t["shape"]),
@@ -339,71 +339,6 @@ def _parse(data: Any, where: str) -> Manifest:
                     _text(data["library_version"], "library_version"),
                     _text(opt["class"], "optimizer.class"), groups, tuple(params), files, extras,
                     _scaler_parse(data.get("loss_scaler")), user_state)
-
-
-@dataclass(frozen=True)
-class RankIndex:
-    """What one rank wrote: its file and the runs in it. Rank 0 merges these into the
-    manifest; they travel as small JSON files next to the data so that no Python objects
-    are pickled between ranks."""
-
-    file: FileRecord
-    params: tuple[StoredParam, ...]
-    """This rank's runs only (every range points at `file`)."""
-    groups: tuple[StoredGroup, ...]
-    """This rank's view of hyperparameters and scalar state, checked equal on merge."""
-    user_state: FileRecord | None = None
-    """The file with this rank's `extra=` state, if it passed one."""
-
-    def dumps(self) -> str:
-        return json.dumps({"file": _file_json(self.file),
-                           "params": {p.key: _param_json(p) for p in self.params},
-                           "groups": [_group_json(g) for g in self.groups],
-                           "user_state": _file_json(self.user_state) if self.user_state else None})
-
-    @staticmethod
-    def loads(text: str) -> RankIndex:
-        d = json.loads(text)
-        user = d.get("user_state")
-        return RankIndex(_file_parse(d["file"], "file"),
-                         tuple(_param_parse(k, p) for k, p in d["params"].items()),
-                         tuple(_group_parse(g, "group") for g in d["groups"]),
-                         _file_parse(user, "user_state") if user else None)
-
-
-def merge_indices(indices: list[RankIndex]) -> tuple[tuple[StoredParam, ...],
-                                                     tuple[StoredGroup, ...]]:
-    """All ranks' runs per parameter, and the groups, checking that ranks agree."""
-    merged: dict[str, StoredParam] = {}
-    for idx in indices:
-        for p in idx.params:
-            have = merged.get(p.key)
-            if have is None:
-                merged[p.key] = p
-                continue
-            if (have.name, have.group, have.ep_rank, have.shape) != (p.name, p.group, p.ep_rank,
-                                                                     p.shape):
-                raise CheckpointError(f"ranks disagree on parameter {p.key!r} (shape "
-                                      f"{list(have.shape)} vs {list(p.shape)}); every rank must "
-                                      f"build the same model")
-            merged[p.key] = StoredParam(p.key, p.name, p.group, p.ep_rank, p.shape, p.dtype,
-                                        tuple(sorted(have.ranges + p.ranges,
-                                                     key=lambda r: r.start)))
-    # Each rank knows the per-parameter state of the parameters it holds runs of.
-    groups = tuple(replace(g, param_scalars={}) for g in indices[0].groups)
-    per_param: dict[str, dict[str, Any]] = {g.name: {} for g in groups}
-    for idx in indices:
-        if tuple(replace(g, param_scalars={}) for g in idx.groups) != groups:
-            raise CheckpointError(f"rank {idx.file.rank} and rank {indices[0].file.rank} disagree "
-                                  f"on optimizer hyperparameters or state keys; every rank must "
-                                  f"build the same optimizer")
-        for g in idx.groups:
-            for name, value in g.param_scalars.items():
-                if per_param[g.name].setdefault(name, value) != value:
-                    raise CheckpointError(f"ranks disagree on the optimizer state of parameter "
-                                          f"{name!r}; every rank must build the same optimizer")
-    return tuple(merged.values()), tuple(replace(g, param_scalars=per_param[g.name])
-                                         for g in groups)
 
 
 def _check_coverage(p: StoredParam, files: set[str], where: str) -> None:

@@ -25,7 +25,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from evenzero.checkpoint.format import MASTER
@@ -78,12 +77,6 @@ def _write_latest(root: Path, tag: str) -> None:
         os.close(fd)
 
 
-def is_deepspeed_checkpoint(path: Path) -> bool:
-    """A directory DeepSpeed wrote (model-states / ZeRO optimizer files)."""
-    return path.is_dir() and (any(path.glob("*mp_rank_*_model_states.pt"))
-                              or any(path.glob("*_optim_states.pt")))
-
-
 def load_engine(engine: Any, load_dir: str, tag: Any, load_module_strict: bool,
                 load_optimizer_states: bool, load_lr_scheduler_states: bool,
                 load_module_only: bool, custom_load_fn: Any) -> tuple[str | None, dict | None]:
@@ -103,8 +96,8 @@ def load_engine(engine: Any, load_dir: str, tag: Any, load_module_strict: bool,
             return None, None
         tag = latest.read_text().strip()
     tag = str(tag)
-    if is_deepspeed_checkpoint(root / tag):
-        return load_deepspeed_checkpoint(engine, root, tag, load_optimizer_states,
+    if checkpoint.is_deepspeed_checkpoint(root, tag):
+        return load_deepspeed_checkpoint(engine, load_dir, tag, load_optimizer_states,
                                          load_lr_scheduler_states, load_module_only,
                                          load_module_strict)
     keep_optimizer = load_module_only or not load_optimizer_states
@@ -138,16 +131,17 @@ def load_engine(engine: Any, load_dir: str, tag: Any, load_module_strict: bool,
     return str(root / tag), client
 
 
-def load_deepspeed_checkpoint(engine: Any, root: Path, tag: str, load_optimizer_states: bool,
+def load_deepspeed_checkpoint(engine: Any, load_dir: str, tag: str, load_optimizer_states: bool,
                               load_lr_scheduler_states: bool, load_module_only: bool,
                               load_module_strict: bool = True):
     """A checkpoint written by DeepSpeed itself, at any data-parallel size: masters, Adam
     moments and step, loss scale, scheduler, counters and client_state, read safely by
     `evenzero.checkpoint.load_deepspeed` (nothing of the run is touched if it fails)."""
     from evenzero import checkpoint
+    from evenzero.checkpoint.deepspeed_files import MODEL_STATES
 
     ckpt = checkpoint.load_deepspeed(
-        engine.zero, root, tag, load_optimizer_states=load_optimizer_states,
+        engine.zero, load_dir, tag, load_optimizer_states=load_optimizer_states,
         load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
         load_module_strict=load_module_strict,
         lr_scheduler=engine.lr_scheduler if load_lr_scheduler_states else None)
@@ -159,7 +153,10 @@ def load_deepspeed_checkpoint(engine: Any, root: Path, tag: str, load_optimizer_
             # DeepSpeed's ZeRO load restores the saved clip_grad over the config's
             # (deepspeed/runtime/zero/stage_1_and_2.py@0.19.8:3667-3793).
             engine._policy = dataclasses.replace(engine._policy, clip=float(ckpt.clip_grad))
-    return str(ckpt.path), ckpt.client_state
+    # DeepSpeed returns the model-states file it read, joined onto `load_dir` as the caller
+    # spelled it ("./ckpt" stays "./ckpt/..."), not the tag directory
+    # (deepspeed/runtime/engine.py@0.19.8:4336-4358,4383-4393,4591).
+    return os.path.join(load_dir, tag, MODEL_STATES), ckpt.client_state
 
 
 def _optimizer_snapshot(engine: Any) -> dict[str, Any]:
