@@ -12,6 +12,7 @@ Trainer, Lightning) handles this one, plus one section only evenzero reads:
          "arrival": [names],                    # gradient-arrival order the plan was made for
          "bucket_numel": B,                     # bucket size the plan was cut with
          "step_count": n, "loss_scaler": {...},
+         "stepped": {group: [names]},           # parameters stepped at least once
          "shards": {group: {"master": fp32 shard, "exp_avg": shard, ...}}}}
 
 * `state[i]` is the scalar state of parameter `i` (numbered as torch numbers them: in

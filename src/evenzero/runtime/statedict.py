@@ -71,6 +71,9 @@ class ShardStateSide:
         out = pack(groups, param_state, shards, self._identity(), self.step_count,
                    self.loss_scaler.state_dict())
         out[SECTION]["arrival_measured"] = self._hooks.arrival is None
+        # Which parameters were stepped: an optimizer without scalar state (SGD with
+        # momentum) saves `{}` for them, as for one never stepped.
+        out[SECTION]["stepped"] = {g: sorted(self._stepper.stepped(g)) for g in self.groups}
         return out
 
     def load_state_dict(self: ZeroOptimizer, state_dict: Mapping[str, Any]) -> None:
@@ -146,6 +149,7 @@ class ShardStateSide:
                  for saved in state_dict["param_groups"]]
         shards = {g: {"flats": sec["shards"][g],
                       "param_scalars": {n: per_param.get(n, {}) for n in self._runs[g].names},
+                      "stepped": sec.get("stepped", {}).get(g, ()),
                       "hyperparameters": hyper[i]}
                   for i, g in enumerate(t.name for t in self._setup.groups)}
         self._write_shards(shards, replace_groups=True)
@@ -211,7 +215,8 @@ class ShardStateSide:
                               for k, v in flats.items()})
                 scalars = shard["param_scalars"]
                 self._stepper.load_param_state(g, {n: scalars.get(n, {})
-                                                   for n in self._runs[g].names})
+                                                   for n in self._runs[g].names},
+                                               shard.get("stepped", ()))
                 user = self.param_groups[i]
                 saved = copy.deepcopy(dict(shard["hyperparameters"]))
                 kept = {} if replace_groups else {k: v for k, v in user.items() if k not in saved}
