@@ -352,10 +352,15 @@ def check_close_then_rebuild(rank, world):
 # --------------------------------------------------------------------------- state_dict
 
 
-def check_state_dict_resumes_exactly(rank, world, stage):
+SGD_MOMENTUM = (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})
+"""An optimizer without scalar state: a stepped parameter saves `{}`, as a fresh one."""
+
+
+def check_state_dict_resumes_exactly(rank, world, stage, opt_cls=torch.optim.AdamW, opt_kw=None):
     from evenzero import ZeroOptimizer
 
-    pair = Pair(rank, world, make_model=Branchy, stage=stage)
+    opt_kw = ADAMW if opt_kw is None else opt_kw
+    pair = Pair(rank, world, make_model=Branchy, opt_cls=opt_cls, opt_kw=opt_kw, stage=stage)
     sched = torch.optim.lr_scheduler.StepLR(pair.opt, 1, gamma=0.5)
     for step in range(2):
         pair.backward(step, use_extra=step == 0)
@@ -379,7 +384,7 @@ def check_state_dict_resumes_exactly(rank, world, stage):
     want = finish(pair.model, pair.opt, sched)
     torch.manual_seed(1)  # another initialisation: everything must come from the files
     model = Branchy()
-    opt = ZeroOptimizer(model, torch.optim.AdamW, stage=stage, **ADAMW)
+    opt = ZeroOptimizer(model, opt_cls, stage=stage, **opt_kw)
     sched2 = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)  # adds initial_lr first
     buf.seek(0)
     saved = torch.load(buf, weights_only=True)
@@ -464,6 +469,8 @@ def _checks(rank, world, names):
         "close": partial(check_close_then_rebuild, rank, world),
         "state_dict-1": partial(check_state_dict_resumes_exactly, rank, world, 1),
         "state_dict-2": partial(check_state_dict_resumes_exactly, rank, world, 2),
+        "state_dict-sgd": partial(check_state_dict_resumes_exactly, rank, world, 2,
+                                  *SGD_MOMENTUM),
         "checkpoint_steps": partial(check_checkpoint_reshards_per_parameter_steps, rank, world),
     }
     return {n: table[n] for n in names}
@@ -472,7 +479,7 @@ def _checks(rank, world, names):
 WORLD2 = ["schedulers", "hyperparameters", "param_groups", "closure", "clearing-1", "clearing-2",
           "accumulation-1", "accumulation-2", "p_grad-1", "p_grad-2", "missing-1", "missing-2",
           "zeroed", "freezing", "writes-1", "writes-2", "bf16", "broadcast", "close",
-          "state_dict-1", "state_dict-2"]
+          "state_dict-1", "state_dict-2", "state_dict-sgd"]
 WORLD3 = ["missing-2", "clearing-2", "writes-2", "broadcast", "state_dict-2", "checkpoint_steps"]
 
 

@@ -114,6 +114,27 @@ def test_state_round_trip_merges_equal_classes():
         other.load_param_state("dense", {"a": {}})
 
 
+def test_stepped_parameters_without_scalar_state_stay_stepped():
+    """SGD with momentum keeps no scalar state: `{}` is what a stepped parameter saves
+    too, so a new stepper (a re-layout) is told which were stepped, or it would drop
+    their momentum at the next step."""
+    p = _plan(1, 1000)
+    runs = ShardRuns.of(p, "dense", 0)
+    master = torch.nn.Parameter(torch.zeros(p.shard_numel("dense")))
+    opt = torch.optim.SGD([master], lr=0.1, momentum=0.9)
+    stepper = MaskedStep(opt, {"dense": master}, {"dense": runs})
+    stepper.step({"dense": torch.ones_like(master)}, set(SHAPES))
+    assert stepper.param_state("dense")["a"] == {} and stepper.stepped("dense") == set(SHAPES)
+    ref = master.detach().clone()
+    ref_buf = opt.state[master]["momentum_buffer"].clone()
+    other = MaskedStep(opt, {"dense": master}, {"dense": runs})
+    other.load_param_state("dense", stepper.param_state("dense"), stepper.stepped("dense"))
+    other.step({"dense": torch.ones_like(master)}, set(SHAPES))
+    buf = ref_buf * 0.9 + 1  # momentum kept: not restarted from the gradient
+    torch.testing.assert_close(opt.state[master]["momentum_buffer"], buf)
+    torch.testing.assert_close(master.detach(), ref - 0.1 * buf)
+
+
 def test_groups_of_one_optimizer_step_independently():
     """Two masters in one optimizer (dense and experts, different lr): one group on the
     fast path, the other with an absent parameter, in the same step."""

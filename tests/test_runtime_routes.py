@@ -133,13 +133,13 @@ def test_reduce_scatter_algorithm_follows_the_backend():
 
 @pytest.mark.parametrize("kwargs, fragment", [
     ({"stage": 3}, "stage must be 1 or 2"),
-    ({"bucket_numel": 0}, "bucket_numel must be a positive integer"),
+    ({"bucket_numel": 0}, "bucket_numel must be \"auto\" or a positive integer"),
     ({"reduce_scatter_algorithm": "ring"}, "reduce_scatter_algorithm must be one of"),
     ({"loss_scale": "auto"}, "loss_scale must be 'dynamic'"),
     ({"reduce_dtype": "int8"}, "unknown dtype 'int8'"),
     ({"strategy": 3}, "strategy must be a strategy name"),
     ({"stage": True}, "stage must be 1 or 2"),
-    ({"bucket_numel": 100.0}, "bucket_numel must be a positive integer"),
+    ({"bucket_numel": 100.0}, "bucket_numel must be \"auto\" or a positive integer"),
     ({"max_buckets_in_flight": 1.5}, "max_buckets_in_flight must be an integer"),
     ({"max_buckets_in_flight": 0}, "max_buckets_in_flight must be an integer of at least 1"),
     ({"max_buckets_in_flight": True}, "max_buckets_in_flight must be an integer"),

@@ -93,7 +93,10 @@ def test_explicit_size_wins_and_auto_is_the_default():
     spec = layers()
     fixed = plan_evenzero(spec, 8, PlanOptions(bucket_numel=2**21, cost_model=cost(50, 1.0)))
     assert len(fixed.buckets) == 16 and not any("auto" in n for n in fixed.notes)
+    assert fixed.bucket_numel == 2**21
     auto = plan_evenzero(spec, 8, PlanOptions(cost_model=cost(50, 1.0)))
+    chosen = choose_bucket_numel(spec, 8, cost(50, 1.0)).numel
+    assert auto.bucket_numel == chosen  # the plan records the size "auto" chose
     assert auto == plan_evenzero(spec, 8, PlanOptions(bucket_numel="auto", cost_model=cost(50, 1.0)))
     assert auto.notes[-1].startswith("bucket_numel auto: ") and "cost model test" in auto.notes[-1]
     # Other strategies read "auto" as their own default.

@@ -277,6 +277,9 @@ class Plan:
     """False for strategies that keep full optimizer state on every rank (DDP)."""
     execution: Execution = Execution()
     """When the collectives are issued against compute (for timeline predictions)."""
+    bucket_numel: int | None = None
+    """The bucket size (elements) the buckets were cut with, where the strategy cuts by
+    one (evenzero: the fixed size, or the one "auto" chose); None otherwise."""
 
     def group(self, name: str) -> GroupInfo:
         for g in self.groups:

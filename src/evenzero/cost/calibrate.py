@@ -66,7 +66,8 @@ def reduce_scatter_algorithm(group=None) -> str:
     return ALL_TO_ALL_SUM if "gloo" in str(dist.get_backend(group)) else "reduce_scatter_tensor"
 
 
-def _call(op: str, numel: int, group, device, dtype) -> Callable[[], None]:
+def _call(op: str, numel: int, group, device, dtype,
+          rs_algorithm: str | None = None) -> Callable[[], None]:
     n = dist.get_world_size(group)
     if op == "all_reduce":
         buf = torch.ones(numel, device=device, dtype=dtype)
@@ -77,7 +78,7 @@ def _call(op: str, numel: int, group, device, dtype) -> Callable[[], None]:
         return lambda: dist.reduce(buf, dst=root, group=group)
     if op == "reduce_scatter":
         inp = torch.ones(numel, device=device, dtype=dtype)
-        if reduce_scatter_algorithm(group) == ALL_TO_ALL_SUM:
+        if (rs_algorithm or reduce_scatter_algorithm(group)) == ALL_TO_ALL_SUM:
             scratch = torch.empty(numel, device=device, dtype=dtype)
             return lambda: (dist.all_to_all_single(scratch, inp, group=group),
                             scratch.view(n, -1).sum(0))
@@ -143,10 +144,14 @@ def _subgroup(size: int):
 
 def sweep(group=None, sizes: Sequence[int] = DEFAULT_SIZES, ops: Sequence[str] = OPS,
           repeats: int = 5, dtype: torch.dtype = torch.float32,
-          group_sizes: Sequence[int] | None = None) -> tuple[Sample, ...]:
+          group_sizes: Sequence[int] | None = None, *, device: torch.device | None = None,
+          rs_algorithm: str | None = None) -> tuple[Sample, ...]:
     """Time every op at every size, on the world (`group` must be None then) and on the
     disjoint subgroups of each of `group_sizes` (default `default_group_sizes`), or on
-    `group` alone. Collective over the world: every rank calls it with the same arguments."""
+    `group` alone. Collective over the world (over `group` when given): every rank calls
+    it with the same arguments. `device` (default: CUDA for NCCL, else the CPU) holds the
+    messages; `rs_algorithm` overrides the backend's reduce-scatter ("all_to_all+sum" or
+    "reduce_scatter_tensor"), for a runtime configured with another one."""
     if not dist.is_available() or not dist.is_initialized():
         raise CalibrationError("torch.distributed is not initialised; call "
                                "dist.init_process_group first, or run `evenzero calibrate "
@@ -162,14 +167,15 @@ def sweep(group=None, sizes: Sequence[int] = DEFAULT_SIZES, ops: Sequence[str] =
             raise CalibrationError(f"group sizes {bad} do not divide the world of {world} ranks "
                                    f"(or are < 2)")
         plan = [(n, _subgroup(n)) for n in wanted]
-    device = _device(group)
+    device = device or _device(group)
     itemsize = torch.empty((), dtype=dtype).element_size()
     keys, local = [], []
     for n, g in plan:
         for op in ops:
             for size in sizes:
                 numel = -(-int(size) // n) * n  # RS input and AG output must split evenly
-                local.append(_fastest(_call(op, numel, g, device, dtype), g, device, repeats))
+                local.append(_fastest(_call(op, numel, g, device, dtype, rs_algorithm), g,
+                                      device, repeats))
                 keys.append((op, n, numel * itemsize))
     times = _slowest_rank(local, device, group)
     return tuple(Sample(op, n, nbytes, t) for (op, n, nbytes), t in zip(keys, times, strict=True))

@@ -32,9 +32,10 @@ EXACT_SYSTEMS = ("evenzero", "deepspeed-0.6-schedule", "ddp")
 LOSS_RTOL = 1e-5
 DEFAULT_BUCKET_NUMEL = 2**20
 """1M elements (4 MiB): five buckets for the seed model, so reductions overlap backward.
-The runtime's own default (>= 32M elements) is sized for NCCL; on this 10M-parameter
-model it makes one bucket per group, nothing overlaps, and on 8 CPU ranks a step took
-973 ms instead of 549 ms (torch.profiler figures in BENCHMARKS.md)."""
+The runtime's former fixed default (>= 32M elements, sized for NCCL) made one bucket
+per group of this 10M-parameter model, nothing overlapped, and on 8 CPU ranks a step
+took 973 ms instead of 549 ms (torch.profiler figures in BENCHMARKS.md).
+`--bucket-numel 0` runs the runtime's default, "auto" (issue 9's target case)."""
 
 
 @dataclass(frozen=True)

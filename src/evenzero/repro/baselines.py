@@ -100,12 +100,16 @@ class CapturedBaseline:
 
 
 class DDPSystem(CapturedBaseline):
-    """torch DDP over the dense params, `ExpertGradReducer` for the expert params."""
+    """torch DDP over the dense params, `ExpertGradReducer` for the expert params.
+
+    `comm_hook=True` (default) reduces through the stock Python `allreduce_hook` so the
+    collectives are captured; False leaves DDP's C++ reducer alone (nothing captured),
+    the baseline for host-overhead comparisons."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, *, lr: float = 1e-3,
                  weight_decay: float = 0.01, expert_group: Any = None,
                  capture: CaptureOptions | None = None, name: str = "ddp",
-                 fused_adamw: bool | None = None) -> None:
+                 fused_adamw: bool | None = None, comm_hook: bool = True) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -116,7 +120,8 @@ class DDPSystem(CapturedBaseline):
         DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in expert])
         device = next(model.parameters()).device
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        ddp.register_comm_hook(None, allreduce_hook)
+        if comm_hook:  # False: DDP's own C++ all-reduce, fastest but not captured
+            ddp.register_comm_hook(None, allreduce_hook)
         self.experts = ExpertGradReducer([p for _, p in expert], expert_group, dist.get_world_size())
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
                                       fused=fused_adamw)

@@ -22,8 +22,9 @@ SYSTEMS = ("evenzero", "deepspeed-0.6-schedule", "ddp", "fsdp2", "deepspeed",
 DEFAULT_SYSTEMS = ("evenzero", "ddp", "fsdp2", "deepspeed")
 DEFAULT_BUCKET_NUMEL = 2**22
 """4M elements (16 MiB): 15 buckets for the 59M model, so reductions overlap backward, as
-DDP's 25 MB buckets do. The runtime's default (>= 32M elements, sized for NCCL) would
-make two buckets of this model."""
+DDP's 25 MB buckets do: the fixed size this benchmark has always compared at.
+`--bucket-numel 0` runs the runtime's default instead ("auto": chosen from the timeline
+at construction, refined from the first backwards; `benchmarks/defaults.py`)."""
 
 
 @dataclass(frozen=True)

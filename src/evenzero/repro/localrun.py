@@ -218,7 +218,8 @@ def add_launch_arguments(parser: Any, *, world_size: int, steps: int, systems: t
                         help=f"comma-separated subset of {', '.join(systems)}")
     parser.add_argument("--bucket-numel", type=int_in(0, MAX_NUMEL), default=bucket_numel,
                         help=f"evenzero bucket size in elements (default {bucket_numel}; "
-                             f"0 = the runtime's default)")
+                             f"0 = the runtime's default, \"auto\": chosen from the "
+                             f"predicted timeline, refined from the first backwards)")
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
                         help="process-group backend (default: NCCL if enough GPUs, else gloo)")
 

@@ -17,16 +17,18 @@ is void, and zero_grad() lets everyone go on.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from evenzero.plan import Plan
+from evenzero.runtime.autotune import calibration_target, refine_bucket_numel
 from evenzero.runtime.checks import ZeroRuntimeError, backward_problems
 from evenzero.runtime.collectives import broadcast
 from evenzero.runtime.gradstats import GradStats
 from evenzero.runtime.lifecycle import TrainingState
-from evenzero.runtime.setup import make_plan
+from evenzero.runtime.setup import make_plan, plan_options
 from evenzero.runtime.teardown import KEEPER
 
 if TYPE_CHECKING:
@@ -76,7 +78,9 @@ class BackwardSide:
         life = self._life
         rec = life.record
         rec.presence[self._index[name]] = 1.0
-        life.note_problem(self._clearing.accumulated(name))
+        problem = self._clearing.accumulated(name)
+        if problem is not None:
+            life.note_problem(problem)
         if rec.stale_layouts and self._prefetch.layout_of(name) in rec.stale_layouts:
             rec.read_early.append(name)
         if life.backward_synced and not life.measuring:
@@ -92,11 +96,13 @@ class BackwardSide:
         life = self._life
         life.record.stale_layouts = set()
         if life.measuring:
-            life.measuring = False
-            order = self._hooks.take_arrival() or []
-            # A backward that raised measured only part of the order: send none, so
-            # everyone keeps the assumed order and measures the next backward.
-            self._adopt_arrival([] if aborted else order)
+            if self._hooks.arrival is not None:
+                order = self._hooks.take_arrival() or []
+                # A backward that raised measured only part of the order: send none, so
+                # everyone keeps the assumed order and measures the next backward.
+                self._adopt_arrival([] if aborted else order)
+            self._refine_bucket_size(aborted)
+            life.measuring = self._hooks.arrival is not None or self._refine.pending
         if life.backward_synced:
             problems = self._reducer.finish_grad_sync()
             problems += backward_problems(life.record.read_early, self._module, self._managed,
@@ -120,15 +126,52 @@ class BackwardSide:
         if not order:
             # Rank 0's backward reached no managed parameter: nothing was measured, so
             # keep the assumed order and measure the next backward instead.
-            self._life.measuring = True
             self._hooks.record_arrival()
             return
         unchanged = tuple(order) == self.plan.arrival
         self.spec = self.spec.with_arrival(order, "measured")
         if unchanged:
             return
-        plan: Plan = make_plan(self.spec, self.world_size, self.config, self._setup.group_sizes)
+        plan: Plan = make_plan(self.spec, self.world_size, self.config, self._setup.group_sizes,
+                               self._setup.device)
         if plan != self.plan:
+            self._install(plan, previous=self.plan)
+
+    def _stop_refining(self: ZeroOptimizer) -> None:
+        """The bucket size is fixed from now on (a loaded state dict's)."""
+        self._refine.clock = self._hooks.clock = None
+        self._life.measuring = self._hooks.arrival is not None
+
+    def _refine_bucket_size(self: ZeroOptimizer, aborted: bool) -> None:
+        """Once enough backwards were timed (`runtime/backwardclock.py`): calibrate, let
+        rank 0 choose the bucket size, and re-plan with it on every rank
+        (`runtime/autotune.py`). Before this backward's buckets are reduced, so they
+        are reduced in the new plan; collective, reached at the same backward by every
+        rank (a rank whose backward raised gets here from `_recover`)."""
+        life = self._life
+        timings = self._refine.backward_ended(aborted, life.backward_synced,
+                                              self._hooks.arrival is None)
+        if timings is None:
+            return
+        self._hooks.clock = None
+        sizes = [(self.world_size, self.world_group)]
+        sizes += sorted(((st.size, st.process_group) for st in self.groups.values()),
+                        key=lambda g: -g[0])
+        widest = max(self.groups.values(), key=lambda st: st.size)
+        target = calibration_target(sizes, self._setup.device, widest.reduce_dtype,
+                                    self.reduce_scatter_algorithm)
+        options = plan_options(self.config, self._setup.device)
+        out = refine_bucket_numel(self.spec, self.world_size, timings, target, self.world_group,
+                                  self._setup.control_device, options,
+                                  self._refine.optimizer_seconds)
+        if out.numel is None:  # not refined: the plan stands, its notes say why
+            self.plan = replace(self.plan, notes=(*self.plan.notes, out.note))
+            return
+        plan = make_plan(self.spec, self.world_size, self.config, self._setup.group_sizes,
+                         self._setup.device, bucket_numel=out.numel, note=out.note)
+        if plan.buckets == self.plan.buckets and plan.layouts == self.plan.layouts:
+            self.plan = plan  # the same buckets: nothing to re-lay out
+        else:
             self._install(plan, previous=self.plan)
 
     # ------------------------------------------------------------------ recovery

@@ -47,6 +47,11 @@ class FlatParams:
             self.buffers[(layout.group, layout.index)] = buf
         self._ptrs = {s.name: self.buffers[(lay.group, lay.index)][s.offset:].data_ptr()
                       for lay in plan.layouts for s in lay.params}
+        # The same in flat lists, for the check every step makes (`in_place`).
+        self._watched = [params[s.name] for lay in plan.layouts for s in lay.params]
+        self._watched_ptrs = [self._ptrs[s.name] for lay in plan.layouts for s in lay.params]
+        self._watched_dtypes = [self.buffers[(lay.group, lay.index)].dtype
+                                for lay in plan.layouts for s in lay.params]
 
     def owned_slice(self, group: str, index: int) -> torch.Tensor:
         """This rank's equal slice of a layout buffer."""
@@ -56,9 +61,19 @@ class FlatParams:
         r = self.group_ranks[group]
         return buf[r * per:(r + 1) * per]
 
+    def in_place(self) -> bool:
+        """Whether every parameter still is its contiguous view of its buffer. Checked
+        every step, for every parameter: list comprehensions over C getters cost a
+        fraction of a per-parameter Python loop, which runs only when one moved."""
+        return ([p.data_ptr() for p in self._watched] == self._watched_ptrs
+                and [p.dtype for p in self._watched] == self._watched_dtypes
+                and all([p.is_contiguous() for p in self._watched]))
+
     def repoint_moved(self) -> list[str]:
         """Re-point parameters whose `.data` was replaced (e.g. a dtype re-cast in forward)
         back to their buffer view; returns their names."""
+        if self.in_place():
+            return []
         moved = []
         for lay in self.plan.layouts:
             buf = self.buffers[(lay.group, lay.index)]

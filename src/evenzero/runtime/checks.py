@@ -148,7 +148,8 @@ def backward_problems(read_early: Sequence[str], module: torch.nn.Module,
             f"it had finished (it was read outside the forward of a module that holds it); "
             f"call opt.wait_for_params() before such a forward, or build ZeroOptimizer with "
             f"overlap_param_gather=False")
-    for name, p in module.named_parameters():
+    named = module.named_parameters() if _any_unmanaged_grad(module, managed) else ()
+    for name, p in named:
         if p.grad is not None and id(p) not in managed and p.requires_grad:
             if id(p) in frozen:
                 problems.append(
@@ -163,3 +164,20 @@ def backward_problems(read_early: Sequence[str], module: torch.nn.Module,
                     f"model is final")
             break
     return problems
+
+
+def _any_unmanaged_grad(module: torch.nn.Module, managed: set[int]) -> bool:
+    """Whether a trainable parameter outside `managed` holds a gradient. Runs after every
+    backward: a walk over the modules' own dicts costs a fifth of `named_parameters()`
+    (no names built), which then runs only to name the first such parameter."""
+    seen, stack = set(), [module]
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        for p in m._parameters.values():
+            if p is not None and id(p) not in managed and p.requires_grad and p.grad is not None:
+                return True
+        stack.extend(c for c in m._modules.values() if c is not None)
+    return False

@@ -12,6 +12,7 @@ import torch
 from evenzero.runtime.checks import ZeroConfigError
 from evenzero.runtime.collectives import REDUCE_SCATTER_ALGORITHMS
 from evenzero.runtime.precision import LossScaleConfig, as_dtype
+from evenzero.strategies import AUTO
 
 # Each rank steps only its flat 1/N shard, which equals stepping every parameter only if
 # the update of an element depends on that element's own gradient and state alone.
@@ -38,8 +39,18 @@ class ZeroConfig:
     stage 2, and only optimizer state and master weights are sharded. 2: each bucket's
     gradients are copied out and reduced as it fills, and only this rank's 1/N shard of
     the gradients is kept."""
-    bucket_numel: int | None = None
-    """Bucket size in elements; None means the strategy's default."""
+    bucket_numel: int | str | None = "auto"
+    """Bucket size in elements, or "auto" (the default; None means the same). With
+    "auto", evenzero's plan uses the size with the shortest predicted step within a
+    memory budget (in-flight bucket buffers at most a quarter of the model's gradient
+    bytes, within [64 MiB, 1 GiB]: `evenzero.cost.autobucket`): at construction from
+    FLOPs estimates and a cost preset for the device, then refined once, at the end of
+    the second synced backward (the backwards until then reduce at their end, so their
+    gradient-arrival times are pure compute), from those times and a quick calibration
+    of the process groups (well under a second); every rank adopts rank 0's choice.
+    `opt.plan.bucket_numel` is the size in use and `opt.plan.notes[-1]` says why. A
+    number fixes the size (nothing is measured for it). Other strategies
+    ("deepspeed-0.6", ...) read "auto" as their own default."""
     strategy: str | Callable[..., Any] = "evenzero"
     """Planner whose schedule is executed: "evenzero"; "deepspeed-0.6" (or any sharded
     strategy name) to run that schedule in this engine for comparisons; or a callable
@@ -76,10 +87,11 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         if _not_int(self.stage) or self.stage not in (1, 2):
             raise ZeroConfigError(f"stage must be 1 or 2, got {self.stage!r}")
-        if self.bucket_numel is not None and (_not_int(self.bucket_numel)
-                                              or self.bucket_numel <= 0):
-            raise ZeroConfigError(f"bucket_numel must be a positive integer number of elements, "
-                                  f"got {self.bucket_numel!r}; e.g. bucket_numel=2**20")
+        if self.bucket_numel not in (None, AUTO) and (_not_int(self.bucket_numel)
+                                                      or self.bucket_numel <= 0):
+            raise ZeroConfigError(f"bucket_numel must be \"auto\" or a positive integer number "
+                                  f"of elements, got {self.bucket_numel!r}; e.g. "
+                                  f"bucket_numel=2**20")
         if (_not_int(self.alignment_bytes) or self.alignment_bytes <= 0
                 or self.alignment_bytes & (self.alignment_bytes - 1)):
             raise ZeroConfigError(f"alignment_bytes must be a power of two number of bytes, got "
@@ -120,6 +132,11 @@ class ZeroConfig:
         if not isinstance(self.loss_scale_config, LossScaleConfig):
             raise ZeroConfigError(f"loss_scale_config must be an evenzero.runtime.LossScaleConfig, "
                                   f"got {type(self.loss_scale_config).__name__}")
+
+    @property
+    def auto_bucket(self) -> bool:
+        """Whether the bucket size is evenzero's to choose ("auto" or None)."""
+        return self.bucket_numel in (None, AUTO)
 
     @classmethod
     def field_names(cls) -> frozenset[str]:

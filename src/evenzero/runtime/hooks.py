@@ -38,6 +38,11 @@ import torch
 from torch.profiler import record_function
 from torch.utils import _pytree as pytree
 
+from evenzero.runtime.backwardclock import ArrivalClock
+
+_profiling = torch._C._autograd._profiler_enabled
+"""Whether a profiler records now (torch.profiler or torch.autograd.profiler)."""
+
 
 class BackwardObserver(Protocol):
     """What the hooks report to (the optimizer)."""
@@ -105,6 +110,8 @@ class BackwardHooks:
                  owner: BackwardObserver) -> None:
         self._owner = weakref.ref(owner)
         self.arrival: list[str] | None = None
+        self.clock: ArrivalClock | None = None
+        """Set while backwards are timed for the bucket size (`runtime/backwardclock.py`)."""
         self._recorded: set[str] = set()
         self._task = -1  # graph task whose backward started from a parameter hook
         self._probed = -1  # graph task whose end is already being watched
@@ -125,15 +132,21 @@ class BackwardHooks:
         owner = self._owner()
         if owner is not None:
             owner._on_forward()
+            if self.clock is not None:
+                self.clock.forward_began()
 
     def _watch_outputs(self, _module, _args, output) -> None:
         if not torch.is_grad_enabled() or self._owner() is None:
             return
+        if self.clock is not None:
+            self.clock.forward_ended()
         for t in output_tensors(output):
             if t.requires_grad:
                 t.register_hook(functools.partial(self._output_grad, t.grad_fn))
 
     def _output_grad(self, grad_fn, _grad: torch.Tensor) -> None:
+        if self.clock is not None:
+            self.clock.output_grad()
         task = torch._C._current_graph_task_id()
         if task != self._probed:
             self._probed = task
@@ -152,18 +165,29 @@ class BackwardHooks:
         owner._on_backward_end()
 
     def _hook(self, name: str, _param: torch.Tensor) -> None:
+        # Runs once per parameter per backward: on a model of thousands of small
+        # parameters this is the runtime's hot path, so the profiler label is entered
+        # only while a profiler records (entering one costs a few microseconds).
         owner = self._owner()
         if owner is None:
             return
-        with record_function("evenzero::backward_hook"):
-            if not owner._backward_running():
-                self._task = torch._C._current_graph_task_id()
-                torch.autograd.Variable._execution_engine.queue_callback(self._end)
-                owner._on_backward_start()
-            if self.arrival is not None and name not in self._recorded:
-                self._recorded.add(name)
-                self.arrival.append(name)
-            owner._on_grad(name)
+        if _profiling():
+            with record_function("evenzero::backward_hook"):
+                self._run(owner, name)
+        else:
+            self._run(owner, name)
+
+    def _run(self, owner: BackwardObserver, name: str) -> None:
+        if not owner._backward_running():
+            self._task = torch._C._current_graph_task_id()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end)
+            owner._on_backward_start()
+        if self.clock is not None:
+            self.clock.grad(name)
+        if self.arrival is not None and name not in self._recorded:
+            self._recorded.add(name)
+            self.arrival.append(name)
+        owner._on_grad(name)
 
     def _end(self) -> None:
         owner = self._owner()

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from evenzero.runtime.shardruns import ShardRuns
 
@@ -266,19 +267,40 @@ class MaskedStep:
         return {n: {k: _clone(v) for k, v in cls.scalars.items()}
                 for n, cls in self.class_of[group].items()}
 
-    def load_param_state(self, group: str, states: Mapping[str, Mapping[str, Any]]) -> None:
-        """Restore per-parameter scalar state; `{}` means never stepped. Parameters
-        with equal state share a class, so a uniform state steps on the fast path."""
+    def stepped(self, group: str) -> set[str]:
+        """Parameters of this shard stepped at least once. `param_state` alone cannot
+        say so for an optimizer without scalar state (SGD with momentum: `{}` either way)."""
+        return {n for n, cls in self.class_of[group].items() if not cls.fresh}
+
+    def load_param_state(self, group: str, states: Mapping[str, Mapping[str, Any]],
+                         stepped: Iterable[str] = ()) -> None:
+        """Restore per-parameter scalar state; `{}` means never stepped, unless the
+        parameter is in `stepped`. Parameters with equal state share a class, so a
+        uniform state steps on the fast path."""
         runs = self.runs[group]
         missing = sorted(set(runs.names) - set(states))
         if missing:
             raise KeyError(f"no optimizer state for parameter(s) {missing[:5]} of group {group!r}")
+        stepped = set(stepped)
         by_key: dict[tuple, StateClass] = {}
         for n in runs.names:
             s = states[n]
-            cls = StateClass(not s, {k: _clone(v) for k, v in s.items()})
+            cls = StateClass(not s and n not in stepped, {k: _clone(v) for k, v in s.items()})
             self.class_of[group][n] = by_key.setdefault(cls.key(), cls)
         self._aliased[group] = None
+
+    def take_state_of(self, previous: MaskedStep, world_group) -> None:
+        """Per-parameter state of `previous` (the stepper of the plan before a re-layout)
+        for these runs. A rank may now own runs of parameters whose scalar state only
+        other ranks kept, so every rank shares what it has: collective over `world_group`."""
+        mine = {g: (previous.param_state(g), previous.stepped(g)) for g in previous.runs}
+        every: list = [None] * dist.get_world_size(world_group)
+        dist.all_gather_object(every, mine, group=world_group)
+        for g, runs in self.runs.items():
+            theirs = [e.get(g, ({}, set())) for e in every]
+            known = {n: s for states, _ in theirs for n, s in states.items()}
+            stepped = set().union(*(done for _, done in theirs))
+            self.load_param_state(g, {n: known.get(n, {}) for n in runs.names}, stepped)
 
     def step_counts(self, group: str) -> dict[str, int]:
         """Per parameter of this shard: how many times it was stepped, where the

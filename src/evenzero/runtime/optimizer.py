@@ -66,6 +66,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -74,6 +75,7 @@ from torch.profiler import record_function
 
 from evenzero.plan import Plan, Schedule
 from evenzero.runtime.backward import BackwardSide
+from evenzero.runtime.backwardclock import RefinementSchedule
 from evenzero.runtime.buckets import FlatParams
 from evenzero.runtime.checks import ZeroConfigError, ZeroRuntimeError
 from evenzero.runtime.collectives import (
@@ -166,7 +168,7 @@ class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
         broadcast_initial_state(module, setup.groups, self.world_group)
         # Parameters frozen now are not managed; unfreezing one later is named at the step.
         self._frozen = {id(p) for p in module.parameters() if not p.requires_grad}
-        plan = make_plan(self.spec, self.world_size, cfg, setup.group_sizes)
+        plan = make_plan(self.spec, self.world_size, cfg, setup.group_sizes, setup.device)
         self.groups: dict[str, GroupState] = {}
         for g in setup.groups:
             n = plan.shard_numel(g.name)
@@ -203,6 +205,10 @@ class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
         self.last_step_skipped = False
         self._hooks = BackwardHooks(module, setup.named, self)
         self._hooks.record_arrival()
+        # bucket_numel "auto": refined once, after the first backwards (backwardclock.py).
+        self._refine = RefinementSchedule(cfg.auto_bucket and cfg.strategy == "evenzero" and
+                                          any(st.size > 1 for st in self.groups.values()))
+        self._hooks.clock = self._refine.clock
         # Finished work and hooks are released when this object goes away, at the latest
         # at interpreter exit (runtime/teardown.py), or by close(); nothing the model holds
         # refers to it.
@@ -248,12 +254,7 @@ class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
         stepper = MaskedStep(self._inner, self._masters(), self._runs)
         if self.step_count == 0 and not getattr(self, "_stepped_outside_step", False):
             return stepper
-        mine = {g: self._stepper.param_state(g) for g in self.groups}
-        every: list = [None] * self.world_size
-        dist.all_gather_object(every, mine, group=self.world_group)
-        for g, runs in self._runs.items():
-            known = {n: s for theirs in every for n, s in theirs.get(g, {}).items()}
-            stepper.load_param_state(g, {n: known.get(n, {}) for n in runs.names})
+        stepper.take_state_of(self._stepper, self.world_group)
         return stepper
 
     # ------------------------------------------------------------------ backward
@@ -348,7 +349,11 @@ class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
                     inner[key] = value
         stepped = {n for n, here in zip(self._names, present, strict=True) if here}
         active = {self.plan.locate(n)[0] for n in stepped}
+        t0 = perf_counter()
         self._stepper.step({name: st.grad for name, st in self.groups.items()}, stepped, active)
+        if self._refine.pending:  # the optimizer's cost, for the bucket size's timeline
+            self._refine.optimizer_seconds = (perf_counter() - t0, sum(
+                st.master.numel() for st in self.groups.values()))
         self._clearing.drop_absent([n for n in self._names if n not in stepped])
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -10,7 +10,9 @@ Trainer, Lightning) handles this one, plus one section only evenzero reads:
          "world_size": W, "rank": r,            # this state belongs to rank r of W
          "layout": "3f9c...",                   # fingerprint of the plan's shard layout
          "arrival": [names],                    # gradient-arrival order the plan was made for
+         "bucket_numel": B,                     # bucket size the plan was cut with
          "step_count": n, "loss_scaler": {...},
+         "stepped": {group: [names]},           # parameters stepped at least once
          "shards": {group: {"master": fp32 shard, "exp_avg": shard, ...}}}}
 
 * `state[i]` is the scalar state of parameter `i` (numbered as torch numbers them: in
@@ -62,6 +64,8 @@ class RankIdentity:
     """`layout_fingerprint` of the executed plan."""
     arrival: tuple[str, ...]
     """The arrival order that plan was made for (a loader re-plans with it first)."""
+    bucket_numel: int | None = None
+    """The bucket size that plan was cut with (a loader whose size is "auto" adopts it)."""
 
 
 def pack(param_groups: Sequence[Mapping[str, Any]], param_state: Mapping[int, Mapping[str, Any]],
@@ -73,6 +77,7 @@ def pack(param_groups: Sequence[Mapping[str, Any]], param_state: Mapping[int, Ma
         "param_groups": [dict(g) for g in param_groups],
         SECTION: {"format": FORMAT, "world_size": who.world_size, "rank": who.rank,
                   "layout": who.layout, "arrival": list(who.arrival),
+                  "bucket_numel": who.bucket_numel,
                   "step_count": int(step_count),
                   "loss_scaler": dict(loss_scaler) if loss_scaler is not None else None,
                   "shards": {g: dict(t) for g, t in shards.items()}},
@@ -92,8 +97,9 @@ def saved_identity(state_dict: Any) -> RankIdentity | str:
         return (f"its evenzero format is {sec.get('format')!r}, this version reads {FORMAT}; "
                 f"{RESHARD_HINT}")
     try:
+        numel = sec.get("bucket_numel")
         return RankIdentity(int(sec["world_size"]), int(sec["rank"]), str(sec["layout"]),
-                            tuple(sec["arrival"]))
+                            tuple(sec["arrival"]), None if numel is None else int(numel))
     except (KeyError, TypeError, ValueError) as e:
         return f"its evenzero section is damaged ({e!r})"
 

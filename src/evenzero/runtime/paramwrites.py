@@ -30,6 +30,8 @@ from evenzero.runtime.checks import ZeroRuntimeError
 def adopt_replaced(flat: FlatParams) -> list[str]:
     """Copy the values of parameters whose `.data` was replaced into their flat buffer
     and point them back at it; returns their names."""
+    if flat.in_place():
+        return []
     moved = []
     with torch.no_grad():
         for lay in flat.plan.layouts:

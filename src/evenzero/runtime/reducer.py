@@ -76,6 +76,7 @@ class GradientReducer:
         self.executors = [make_executor(r, groups[r.bucket.group], config.reduce_scatter)
                           for r in routes]
         self.route_params = [[params[s.name] for s in r.bucket.params] for r in routes]
+        self.packed = [_packed_numel(r) for r in routes]
         self.position = {s.name: r.position for r in routes for s in r.bucket.params}
         self.grad_buffers = (GradBuffers([r.bucket for r in routes], params)
                              if config.stage == 1 else None)
@@ -168,6 +169,16 @@ class GradientReducer:
 
     def _fill_stage2(self, route: BucketRoute, slot: PoolSlot, g: GroupState) -> torch.Tensor:
         buf = slot.take(route.bucket.numel, g.reduce_dtype)
+        packed = self.packed[route.position]
+        if packed is not None:
+            grads = [p.grad for p in self.route_params[route.position]]
+            if all(type(t) is torch.Tensor for t in grads):
+                # Every gradient present, laid out back to back: one concatenation into
+                # the bucket (converting to the reduce dtype), not a view per parameter.
+                torch.cat([t.reshape(-1) for t in grads], out=buf[:packed])
+                for o, n in route.gaps:
+                    buf[o:o + n].zero_()
+                return buf
         dst, src = [], []
         for s, p in zip(route.bucket.params, self.route_params[route.position], strict=True):
             region = buf[s.offset:s.offset + s.numel]
@@ -226,3 +237,14 @@ class GradientReducer:
     def nbytes(self) -> int:
         held = self.grad_buffers.nbytes() if self.grad_buffers is not None else 0
         return held + self.pool.nbytes()
+
+
+def _packed_numel(route: BucketRoute) -> int | None:
+    """Elements of the bucket's parameters if they lie back to back from offset 0 in
+    their listed order (evenzero's buckets), else None."""
+    end = 0
+    for slot in route.bucket.params:
+        if slot.offset != end:
+            return None
+        end += slot.numel
+    return end

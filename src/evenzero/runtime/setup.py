@@ -9,7 +9,7 @@ rank's model description into `checks.agree`, which raises the same error everyw
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -196,16 +196,36 @@ def _broadcast_flat(tensors: list[torch.Tensor], group) -> None:
             offset += t.numel()
 
 
-def plan_options(config: ZeroConfig) -> PlanOptions:
+def plan_options(config: ZeroConfig, device: torch.device | None = None) -> PlanOptions:
+    """The planner's options for the runtime's config. With `bucket_numel="auto"` the
+    construction-time choice is priced on a cost preset for the device the gradients
+    live on (`runtime_cost_preset`); the runtime refines it after the first backwards."""
     reduce = dtype_name(as_dtype(config.reduce_dtype, "reduce_dtype")) if config.reduce_dtype else None
     return PlanOptions(bucket_numel=config.bucket_numel, alignment_bytes=config.alignment_bytes,
-                       reduce_dtype=reduce)
+                       reduce_dtype=reduce, max_buckets_in_flight=config.max_buckets_in_flight,
+                       cost_model=runtime_cost_preset(device) if device is not None else None)
+
+
+def runtime_cost_preset(device: torch.device):
+    """Collectives of CPU tensors run on gloo (`gloo-local`, fitted on local ranks); CUDA
+    tensors on NCCL (None: the planner's preset for the world size)."""
+    from evenzero.cost.presets import PRESETS
+
+    return PRESETS["gloo-local"] if device.type == "cpu" else None
 
 
 def make_plan(spec: ModelSpec, world_size: int, config: ZeroConfig,
-              group_sizes: Mapping[str, int]) -> Plan:
-    """Plan with the configured strategy and check it fits the process groups we have."""
-    plan = executable_plan(spec, world_size, config.strategy, plan_options(config))
+              group_sizes: Mapping[str, int], device: torch.device | None = None,
+              bucket_numel: int | None = None, note: str | None = None) -> Plan:
+    """Plan with the configured strategy and check it fits the process groups we have.
+    `bucket_numel` overrides an "auto" config (the runtime's refined size), and `note`
+    is then added to the plan's notes."""
+    options = plan_options(config, device)
+    if bucket_numel is not None:
+        options = replace(options, bucket_numel=bucket_numel)
+    plan = executable_plan(spec, world_size, config.strategy, options)
+    if note:
+        plan = replace(plan, notes=(*plan.notes, note))
     if not plan.sharded:
         raise ZeroConfigError(f"strategy {config.strategy!r} keeps full optimizer state on every "
                               f"rank; ZeroOptimizer runs sharded plans such as 'evenzero'")

@@ -70,7 +70,10 @@ class ShardStateSide:
         shards = {g: dict(self.shard_state(g)["flats"]) for g in self.groups}
         out = pack(groups, param_state, shards, self._identity(), self.step_count,
                    self.loss_scaler.state_dict())
-        out[SECTION]["arrival_measured"] = not self._life.measuring
+        out[SECTION]["arrival_measured"] = self._hooks.arrival is None
+        # Which parameters were stepped: an optimizer without scalar state (SGD with
+        # momentum) saves `{}` for them, as for one never stepped.
+        out[SECTION]["stepped"] = {g: sorted(self._stepper.stepped(g)) for g in self.groups}
         return out
 
     def load_state_dict(self: ZeroOptimizer, state_dict: Mapping[str, Any]) -> None:
@@ -82,11 +85,19 @@ class ShardStateSide:
         sizes = [len(g["params"]) for g in self.param_groups]
         problem = saved if isinstance(saved, str) else mismatch(
             state_dict, dataclasses.replace(self._identity(), layout=saved.layout), sizes)
-        arrival = None if problem else tuple(saved.arrival)
+        arrival = None if problem else (tuple(saved.arrival), saved.bucket_numel)
         arrivals = self._agree_load(problem, arrival)
-        if arrivals[0] != self.plan.arrival:
-            self.spec = self.spec.with_arrival(arrivals[0], "measured")
-            plan = make_plan(self.spec, self.world_size, self.config, self._setup.group_sizes)
+        order, numel = arrivals[0]
+        # An "auto" bucket size becomes the saved one: the shards are laid out for it.
+        adopt = self.config.auto_bucket and numel is not None
+        if order != self.plan.arrival or adopt:
+            self.spec = self.spec.with_arrival(order, "measured")
+            plan = make_plan(self.spec, self.world_size, self.config, self._setup.group_sizes,
+                             self._setup.device, bucket_numel=numel if adopt else None,
+                             note=f"bucket_numel auto: {numel:,} elements, the loaded state "
+                                  f"dict's" if adopt else None)
+            if adopt:
+                self._stop_refining()
             if plan != self.plan:
                 self._install(plan, previous=self.plan)
         problem = mismatch(state_dict, self._identity(), sizes) or self._check_shards(state_dict)
@@ -95,7 +106,7 @@ class ShardStateSide:
 
     def _identity(self: ZeroOptimizer) -> RankIdentity:
         return RankIdentity(self.world_size, self.rank, layout_fingerprint(self.plan),
-                            self.plan.arrival)
+                            self.plan.arrival, self.plan.bucket_numel)
 
     def _agree_load(self: ZeroOptimizer, problem: str | None,
                     arrival: tuple[str, ...] | None) -> list[tuple[str, ...]]:
@@ -110,8 +121,8 @@ class ShardStateSide:
         arrivals = [a for _, a in every]
         if any(a != arrivals[0] for a in arrivals):
             raise ZeroConfigError("load_state_dict: the ranks' state dicts were saved under "
-                                  "different plans (arrival orders); load the files one run "
-                                  "saved, each rank its own")
+                                  "different plans (arrival orders or bucket sizes); load the "
+                                  "files one run saved, each rank its own")
         return arrivals
 
     def _check_shards(self: ZeroOptimizer, state_dict: Mapping[str, Any]) -> str | None:
@@ -138,15 +149,16 @@ class ShardStateSide:
                  for saved in state_dict["param_groups"]]
         shards = {g: {"flats": sec["shards"][g],
                       "param_scalars": {n: per_param.get(n, {}) for n in self._runs[g].names},
+                      "stepped": sec.get("stepped", {}).get(g, ()),
                       "hyperparameters": hyper[i]}
                   for i, g in enumerate(t.name for t in self._setup.groups)}
         self._write_shards(shards, replace_groups=True)
         self.step_count = int(sec["step_count"])
         if sec.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(sec["loss_scaler"])
-        if sec.get("arrival_measured") and self._life.measuring:
-            self._life.measuring = False
+        if sec.get("arrival_measured") and self._hooks.arrival is not None:
             self._hooks.take_arrival()
+            self._life.measuring = self._refine.pending
         self.sync_params_from_master()
 
     # ------------------------------------------------------------------ checkpoint protocol
@@ -203,7 +215,8 @@ class ShardStateSide:
                               for k, v in flats.items()})
                 scalars = shard["param_scalars"]
                 self._stepper.load_param_state(g, {n: scalars.get(n, {})
-                                                   for n in self._runs[g].names})
+                                                   for n in self._runs[g].names},
+                                               shard.get("stepped", ()))
                 user = self.param_groups[i]
                 saved = copy.deepcopy(dict(shard["hyperparameters"]))
                 kept = {} if replace_groups else {k: v for k, v in user.items() if k not in saved}

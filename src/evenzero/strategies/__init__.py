@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from evenzero.plan import Plan, PlanError
 from evenzero.spec import ModelSpec
-from evenzero.strategies.common import PlanOptions, group_infos
+from evenzero.strategies.common import AUTO, PlanOptions, group_infos
 from evenzero.strategies.executable import PlannerArg, executable_plan, split_by_group
 from evenzero.strategies.registry import (
     GENERIC_MEMORY,
@@ -45,6 +45,6 @@ def plan(spec: ModelSpec, world_size: int, strategy: str = "evenzero",
     return get_strategy(strategy).plan(spec, world_size, options)
 
 
-__all__ = ["GENERIC_MEMORY", "STRATEGIES", "STRATEGY_NAMES", "GradsAtRest", "MemoryModel",
+__all__ = ["AUTO", "GENERIC_MEMORY", "STRATEGIES", "STRATEGY_NAMES", "GradsAtRest", "MemoryModel",
            "PlanOptions", "Planner", "PlannerArg", "Strategy", "executable_plan",
            "get_strategy", "group_infos", "plan", "split_by_group", "strategy_names"]

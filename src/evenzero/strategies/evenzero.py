@@ -98,7 +98,8 @@ def plan_fixed(spec: ModelSpec, world_size: int, options: PlanOptions) -> Plan:
     step = [grad_check(spec, world_size)] + all_gathers(spec, infos, list(reversed(ordered)))
     return Plan("evenzero", world_size, infos, tuple(ordered), tuple(ordered),
                 tuple(backward + step), spec.arrival_order, tuple(notes),
-                execution=Execution(max_in_flight=options.max_buckets_in_flight))
+                execution=Execution(max_in_flight=options.max_buckets_in_flight),
+                bucket_numel=options.fixed_bucket_numel)
 
 
 def grad_check(spec: ModelSpec, world_size: int) -> Collective:

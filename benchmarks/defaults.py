@@ -1,0 +1,130 @@
+"""Issue 9's targets, "defaults that win": evenzero with no tuning arguments against its peers.
+
+Every evenzero system here is `ZeroOptimizer(model, torch.optim.AdamW, lr=...,
+weight_decay=...)` and nothing else: bucket size "auto" (chosen at construction,
+refined at run time after the first two backwards), default stage, in-flight limit
+and gather. Each case is one local gloo job whose systems are interleaved step by step
+on the same batches; times are the slowest rank's median; each ratio comes from one
+run. Cases and targets:
+
+| case | command alone | target |
+|---|---|---|
+| seed | `evenzero repro --bucket-numel 0 --systems evenzero,ddp` (8 ranks) | <= 1.0x DDP |
+| llama | `python benchmarks/llama_dense.py` (~20M, 4 ranks) | <= 1.0x DDP, <= 0.85x FSDP2 |
+| gpt | `python benchmarks/gpt_dense.py --bucket-numel 0 --systems evenzero,ddp` (59M, 4) | <= 1.0x DDP |
+| host | `python benchmarks/host_overhead.py` (2,000 params, 4 ranks) | <= 1.2x DDP |
+
+The seed and gpt cases time what their commands time (backward+step for the seed
+case, forward+backward+step for gpt); DDP there reduces through the stock Python
+`allreduce_hook` so its collectives are captured. llama and host run DDP's C++ reducer.
+Run on an otherwise idle machine (about 10 minutes on 2 cores); `--tiny` runs every case
+at toy sizes in about a minute to check the scripts, and its ratios mean nothing.
+
+    python benchmarks/defaults.py [--cases seed llama gpt host] [--tiny] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # the sibling benchmark scripts
+try:
+    import evenzero  # noqa: F401
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(HERE.parent / "src"))
+
+CASES = ("seed", "llama", "gpt", "host")
+TARGETS = {("seed", "ddp"): 1.0, ("llama", "ddp"): 1.0, ("llama", "fsdp2"): 0.85,
+           ("gpt", "ddp"): 1.0, ("host", "ddp"): 1.2}
+
+
+def seed_case(tiny: bool) -> dict[str, float]:
+    from evenzero.repro import ReproConfig, run
+    from evenzero.repro.seedmodel import SeedModelConfig
+
+    config = ReproConfig(world_size=4 if tiny else 8, steps=2 if tiny else 8, warmup=2,
+                         model=SeedModelConfig(dim=64) if tiny else SeedModelConfig(),
+                         systems=("evenzero", "ddp"), bucket_numel=None)
+    report = run(config)
+    return {s["name"]: s["median_step_ms"] for s in report["systems"]}
+
+
+def llama_case(tiny: bool) -> dict[str, float]:
+    import llama_dense
+
+    report = llama_dense.run(4, llama_dense.TINY if tiny else llama_dense.LlamaConfig(),
+                             llama_dense.SYSTEMS, 2 if tiny else 8, 3)
+    return {name: r["median_ms"] for name, r in report["systems"].items()}
+
+
+def gpt_case(tiny: bool) -> dict[str, float]:
+    from evenzero.repro.bench import BenchConfig, bench_worker
+    from evenzero.repro.gptmodel import GPT_SIZES
+    from evenzero.repro.localrun import LaunchOptions, launch
+
+    config = BenchConfig(world_size=2 if tiny else 4, steps=2 if tiny else 6, warmup=3,
+                         model=GPT_SIZES["tiny" if tiny else "bench-50m"],
+                         systems=("evenzero", "ddp"), bucket_numel=None, backend="gloo")
+    report = launch(bench_worker, config, LaunchOptions(config.world_size, "gloo",
+                                                        config.timeout_s))
+    return {s["name"]: s["median_step_ms"] for s in report["systems"]}
+
+
+def host_case(tiny: bool) -> dict[str, float]:
+    import host_overhead
+
+    from evenzero.repro.localrun import LaunchOptions, launch
+
+    payload = {"depth": 50 if tiny else 500, "dim": 32, "batch": 8, "steps": 3 if tiny else 20,
+               "warmup": 3, "profile": "none"}
+    report = launch(host_overhead.overhead_worker, payload, LaunchOptions(4, "gloo",
+                                                                          timeout_s=1800))
+    return {name: r["median_ms"] for name, r in report["systems"].items()}
+
+
+RUNNERS = {"seed": seed_case, "llama": llama_case, "gpt": gpt_case, "host": host_case}
+ALONE = {"seed": "evenzero repro --bucket-numel 0 --systems evenzero,ddp  (8 ranks)",
+         "llama": "python benchmarks/llama_dense.py  (4 ranks)",
+         "gpt": "python benchmarks/gpt_dense.py --bucket-numel 0 --systems evenzero,ddp  (4 ranks)",
+         "host": "python benchmarks/host_overhead.py  (4 ranks)"}
+"""Each case alone, at full size."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    p.add_argument("--tiny", "--short", action="store_true",
+                   help="toy sizes in about a minute: checks the scripts, ratios mean nothing")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    out: dict[str, dict[str, float]] = {}
+    for case in args.cases:
+        print(f"case {case} ...", flush=True)
+        out[case] = RUNNERS[case](args.tiny)
+    print("\n| case | evenzero ms | peer | peer ms | evenzero / peer | target |")
+    print("|---|---:|---|---:|---:|---:|")
+    met = True
+    for (case, peer), goal in TARGETS.items():
+        if case not in out:
+            continue
+        ez, other = out[case]["evenzero"], out[case][peer]
+        ratio = ez / other
+        met &= ratio <= goal
+        print(f"| {case} | {ez:.1f} | {peer} | {other:.1f} | {ratio:.2f}x | <= {goal}x |")
+    print(f"\nall targets met: {'yes' if met else 'no'}"
+          f"{' (tiny sizes: meaningless)' if args.tiny else ''}")
+    for case in out:
+        print(f"{case} alone: {ALONE[case]}")
+    print(f"command: python {' '.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])}")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
