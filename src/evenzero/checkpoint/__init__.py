@@ -32,6 +32,7 @@ import dataclasses
 import operator
 import os
 import zlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,7 @@ from evenzero.checkpoint.state import (
     group_state,
     local_model,
     optimizer_class,
+    stepped_params,
     trainable_names,
 )
 from evenzero.checkpoint.userstate import read_user_state, write_user_state
@@ -198,7 +200,8 @@ def _write_rank(opt: Any, place: RankPlace, tmp: Path, extra: Any) -> FileRecord
         params += runs_index(ranges, file, gp.storage(), meta)
         groups.append(StoredGroup(g.name, gp.expert_parallel_size, g.size, encode_value(hyper),
                                   {}, tuple(k for k in flats if k != MASTER),
-                                  {n: encode_value(v) for n, v in param_scalars.items()}))
+                                  {n: encode_value(v) for n, v in param_scalars.items()},
+                                  tuple(sorted(stepped_params(opt, g.name)))))
     record = checkpoint_io.write_file(tmp / file, tensors, place.rank)
     index_text = RankIndex(record, tuple(params), tuple(groups), user).dumps()
     checkpoint_io.write_text(tmp / _index_name(place.rank), index_text)
@@ -273,6 +276,7 @@ def _stage(opt: Any, place: RankPlace, path: Path, manifest: Manifest) -> Staged
             gp = group_place(opt, place, g.name)
             mine = dict.fromkeys(r.param for r in opt.plan.shard_ranges(g.name, gp.local_rank))
             staged.param_scalars[g.name] = {n: decode_value(saved.scalars_of(n)) for n in mine}
+            staged.stepped[g.name] = _saved_stepped(saved, mine, staged.param_scalars[g.name])
             staged.hyperparameters[g.name] = decode_value(saved.hyperparameters)
         if manifest.extras:
             staged.extras = reader.read_all(EXTRA_FILE)
@@ -293,6 +297,17 @@ def _check_scaler(opt: Any, manifest: Manifest, path: Path) -> Any:
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: loss scaler: {e}") from None
     return state
+
+
+
+def _saved_stepped(saved: StoredGroup, mine: Any, scalars: Mapping[str, Any]) -> set[str]:
+    """This shard's parameters that were stepped when saved. Older checkpoints did not
+    record it: there every parameter with optimizer state was stepped."""
+    if saved.stepped is not None:
+        return {n for n in mine if n in saved.stepped}
+    if saved.state_keys:
+        return set(mine)
+    return {n for n in mine if scalars.get(n)}
 
 
 __all__ = ["CheckpointError", "Manifest", "consolidated_state_dict", "export_consolidated",

@@ -39,6 +39,7 @@ from evenzero.checkpoint.state import (
     extra_tensors,
     group_place,
     group_state,
+    stepped_params,
     trainable_names,
 )
 
@@ -58,7 +59,8 @@ def consolidated_state_dict(opt: Any) -> tuple[dict[str, torch.Tensor], dict[str
     order = {n: i for i, (n, _) in enumerate(opt.module.named_parameters())}
     for g in opt.plan.groups:
         flats, scalars, hyper = group_state(opt, g.name)
-        scalars = _gather_scalars(opt, g.name, g.size, scalars)
+        scalars, stepped = _gather_scalars(opt, g.name, g.size, scalars,
+                                           stepped_params(opt, g.name))
         whole = {kind: {s.name: torch.empty(s.numel, dtype=torch.float32)
                         for b in opt.plan.group_layouts(g.name) for s in b.params}
                  for kind in flats}
@@ -72,7 +74,7 @@ def consolidated_state_dict(opt: Any) -> tuple[dict[str, torch.Tensor], dict[str
             masters[name] = whole[MASTER][name].reshape(shape)
             entry = {k: whole[k][name].reshape(shape) for k in flats if k != MASTER}
             mine = scalars.get(name, {})
-            if mine:  # as torch: a parameter never stepped has no state
+            if name in stepped or mine:  # as torch: a parameter never stepped has no state
                 state[name] = {**entry, **{k: _copy(v) for k, v in mine.items()}}
         param_groups.append({**hyper, "params": names})
     model = {}
@@ -97,14 +99,16 @@ def _gather(opt: Any, group: str, size: int, flat: torch.Tensor) -> list[torch.T
     return [p.cpu() for p in parts]
 
 
-def _gather_scalars(opt: Any, group: str, size: int,
-                    mine: dict[str, Any]) -> dict[str, Any]:
-    """Every parameter's scalar state: each rank holds that of the parameters it has runs of."""
+def _gather_scalars(opt: Any, group: str, size: int, mine: dict[str, Any],
+                    stepped: set[str]) -> tuple[dict[str, Any], set[str]]:
+    """Every parameter's scalar state, and which were stepped: each rank knows those of
+    the parameters it has runs of."""
     if size == 1:
-        return mine
+        return mine, stepped
     every: list = [None] * size
-    dist.all_gather_object(every, mine, group=opt.process_group(group))
-    return {n: s for theirs in every for n, s in theirs.items()}
+    dist.all_gather_object(every, (mine, sorted(stepped)), group=opt.process_group(group))
+    return ({n: s for theirs, _ in every for n, s in theirs.items()},
+            {n for _, done in every for n in done})
 
 
 def _copy(v: Any) -> Any:
@@ -217,6 +221,8 @@ def _stage(opt: Any, place: RankPlace, model: dict[str, torch.Tensor],
             states, scalars, hyper = _group_from(by_name, names, shapes, g.name, hyper, ranges,
                                                  numel)
         staged.states[g.name], staged.param_scalars[g.name] = states, scalars
+        staged.stepped[g.name] = ({n for n in names if by_name["state"].get(n)}
+                                  if by_name is not None else set())
         staged.hyperparameters[g.name] = hyper
     return staged
 

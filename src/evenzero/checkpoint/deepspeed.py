@@ -51,6 +51,7 @@ from evenzero.checkpoint.state import (
     extra_tensors,
     group_place,
     group_state,
+    stepped_params,
     trainable_names,
 )
 from evenzero.plan import ShardRange
@@ -181,6 +182,7 @@ def stage_deepspeed(opt: Any, place: RankPlace, files: DeepSpeedFiles, optimizer
                                                 lambda param: files.module[param].float())
             staged.states[g.name] = {k: v.clone() for k, v in flats.items() if k != MASTER}
             staged.param_scalars[g.name] = copy.deepcopy(param_scalars)
+            staged.stepped[g.name] = stepped_params(opt, g.name)
             staged.hyperparameters[g.name] = hyper
             continue
         sources = sorted({holder[n].index for n in names})
@@ -193,6 +195,7 @@ def stage_deepspeed(opt: Any, place: RankPlace, files: DeepSpeedFiles, optimizer
         # DeepSpeed steps each flat group whole, so every parameter in it has the group's
         # scalar state (its `step`); torch keeps one copy per parameter.
         staged.param_scalars[g.name] = {r.param: copy.deepcopy(scalars) for r in ranges}
+        staged.stepped[g.name] = {r.param for r in ranges} if kinds or scalars else set()
         staged.hyperparameters[g.name] = hyper
     if optimizer_states:
         staged.loss_scaler = loss_scaler_state(files.loss_scaler, getattr(opt, "loss_scaler", None),

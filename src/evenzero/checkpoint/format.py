@@ -129,6 +129,10 @@ class StoredGroup:
     """Parameter name -> its own non-shard optimizer state (its `step`, ...; {} if never
     stepped), JSON-encoded. A parameter missing here has `scalars` (older checkpoints)."""
 
+    stepped: tuple[str, ...] | None = None
+    """Parameters stepped at least once (SGD's momentum makes it matter); None in
+    checkpoints written before it was recorded."""
+
     def scalars_of(self, name: str) -> Any:
         """The JSON-encoded scalar state of parameter `name`."""
         return self.param_scalars.get(name, self.scalars)
@@ -270,7 +274,8 @@ def param_parse(key: str, p: Mapping[str, Any]) -> StoredParam:
 def group_json(g: StoredGroup) -> dict[str, Any]:
     return {"name": g.name, "expert_parallel_size": g.expert_parallel_size, "size": g.size,
             "hyperparameters": dict(g.hyperparameters), "scalars": dict(g.scalars),
-            "state_keys": list(g.state_keys), "param_scalars": dict(g.param_scalars)}
+            "state_keys": list(g.state_keys), "param_scalars": dict(g.param_scalars),
+            "stepped": None if g.stepped is None else list(g.stepped)}
 
 
 def group_parse(g: Mapping[str, Any], at: str) -> StoredGroup:
@@ -282,7 +287,15 @@ def group_parse(g: Mapping[str, Any], at: str) -> StoredGroup:
                        _whole(g["size"], f"{at}.size", 1), dict(g["hyperparameters"]),
                        dict(g["scalars"]),
                        tuple(_text(k, f"{at}.state_keys") for k in g["state_keys"]),
-                       dict(g.get("param_scalars", {})))
+                       dict(g.get("param_scalars", {})), _stepped_parse(g.get("stepped"), at))
+
+
+def _stepped_parse(value: Any, at: str) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise _Damaged(f"{at}.stepped is not a list")
+    return tuple(_text(n, f"{at}.stepped") for n in value)
 
 
 def _scaler_parse(state: Any) -> Any:

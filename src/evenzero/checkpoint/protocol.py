@@ -14,7 +14,11 @@ What a checkpoint reads, per plan group, on each rank (`shard_state`):
   state (`step`, NAdam's `mu_product`, ...; {} if it was never stepped). Parameters
   keep their own `step`, as in torch.optim, because a step where a parameter had no
   gradient leaves it alone;
-* `hyperparameters`: the torch param group's options (lr, betas, ...; no "params").
+* `hyperparameters`: the torch param group's options (lr, betas, ...; no "params");
+* `stepped`: the parameters with elements in this shard that were stepped at least once.
+  An optimizer without scalar state (SGD with momentum) has `{}` in `param_scalars` for
+  them as for parameters never stepped, yet its next step differs (torch starts the
+  momentum from the gradient only the first time).
 
 What a load writes back (`load_shard_state`): the same three per group, resharded to
 this rank's ranges, plus the step counter and the loss scaler's state; the optimizer
@@ -23,7 +27,7 @@ then re-gathers the model's parameters from the masters.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Protocol, TypedDict, runtime_checkable
 
 import torch
@@ -40,6 +44,8 @@ class GroupShard(TypedDict):
     """Parameter name -> its scalar optimizer state ({}: never stepped)."""
     hyperparameters: Mapping[str, Any]
     """The torch param group's options, without "params"."""
+    stepped: Collection[str]
+    """Parameters (with elements in this shard) stepped at least once."""
 
 
 @runtime_checkable

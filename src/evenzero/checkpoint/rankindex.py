@@ -74,17 +74,20 @@ def merge_indices(indices: list[RankIndex]) -> tuple[tuple[StoredParam, ...],
                                         tuple(sorted(have.ranges + p.ranges,
                                                      key=lambda r: r.start)))
     # Each rank knows the per-parameter state of the parameters it holds runs of.
-    groups = tuple(replace(g, param_scalars={}) for g in indices[0].groups)
+    groups = tuple(replace(g, param_scalars={}, stepped=()) for g in indices[0].groups)
     per_param: dict[str, dict[str, Any]] = {g.name: {} for g in groups}
+    stepped: dict[str, set[str]] = {g.name: set() for g in groups}
     for idx in indices:
-        if tuple(replace(g, param_scalars={}) for g in idx.groups) != groups:
+        if tuple(replace(g, param_scalars={}, stepped=()) for g in idx.groups) != groups:
             raise CheckpointError(f"rank {idx.file.rank} and rank {indices[0].file.rank} disagree "
                                   f"on optimizer hyperparameters or state keys; every rank must "
                                   f"build the same optimizer")
         for g in idx.groups:
+            stepped[g.name].update(g.stepped or ())
             for name, value in g.param_scalars.items():
                 if per_param[g.name].setdefault(name, value) != value:
                     raise CheckpointError(f"ranks disagree on the optimizer state of parameter "
                                           f"{name!r}; every rank must build the same optimizer")
-    return tuple(merged.values()), tuple(replace(g, param_scalars=per_param[g.name])
+    return tuple(merged.values()), tuple(replace(g, param_scalars=per_param[g.name],
+                                                 stepped=tuple(sorted(stepped[g.name])))
                                          for g in groups)

@@ -11,7 +11,7 @@ changes the whole state or nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -130,6 +130,14 @@ def group_state(opt: ShardedOptimizer, group: str) -> tuple[dict[str, torch.Tens
     return flats, dict(shard["param_scalars"]), dict(shard["hyperparameters"])
 
 
+def stepped_params(opt: ShardedOptimizer, group: str) -> set[str]:
+    """Parameters of this rank's shard of `group` stepped at least once."""
+    shard = opt.shard_state(group)
+    if "stepped" in shard:
+        return set(shard["stepped"])
+    return {n for n, s in shard["param_scalars"].items() if s}
+
+
 def trainable_names(opt: Any) -> dict[str, torch.nn.Parameter]:
     """Plan parameters by name, as the module holds them."""
     named = dict(opt.module.named_parameters())
@@ -184,6 +192,9 @@ class StagedState:
     """Loss-scaler state dict, or None to leave the scaler as it is."""
     step_count: int | None
     """New optimizer step counter, or None to leave it."""
+    stepped: dict[str, set[str]] = field(default_factory=dict)
+    """Plan group -> parameters stepped at least once (default: those with scalar
+    state)."""
 
 
 def apply(opt: ShardedOptimizer, staged: StagedState) -> None:
@@ -197,6 +208,8 @@ def apply(opt: ShardedOptimizer, staged: StagedState) -> None:
                 current[name].copy_(value)
     shards = {g.name: {"flats": {MASTER: staged.masters[g.name], **staged.states[g.name]},
                        "param_scalars": staged.param_scalars[g.name],
-                       "hyperparameters": staged.hyperparameters[g.name]}
+                       "hyperparameters": staged.hyperparameters[g.name],
+                       "stepped": sorted(staged.stepped.get(g.name, {
+                           n for n, s in staged.param_scalars[g.name].items() if s}))}
               for g in opt.plan.groups}
     opt.load_shard_state(shards, staged.step_count, staged.loss_scaler)

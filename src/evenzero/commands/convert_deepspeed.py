@@ -68,6 +68,7 @@ class OfflineRun:
         self._flats: dict[str, dict[str, torch.Tensor]] = {
             n: {MASTER: torch.zeros(self.plan.shard_numel(n), dtype=torch.float32)} for n in names}
         self._scalars: dict[str, dict[str, Any]] = {n: {} for n in names}
+        self._stepped: dict[str, list[str]] = {n: [] for n in names}
         self.loss_scaler = _loss_scaler(files.loss_scaler)
         self.step_count = 0
 
@@ -83,7 +84,7 @@ class OfflineRun:
 
     def shard_state(self, group: str) -> dict[str, Any]:
         return {"flats": self._flats[group], "param_scalars": self._scalars[group],
-                "hyperparameters": self._options[group]}
+                "hyperparameters": self._options[group], "stepped": self._stepped[group]}
 
     def loss_scaler_state(self) -> dict[str, Any] | None:
         return None if self.loss_scaler is None else self.loss_scaler.state_dict()
@@ -99,6 +100,7 @@ class OfflineRun:
                                  for k, v in shard["flats"].items()}
             self._scalars[name] = copy.deepcopy(dict(shard["param_scalars"]))
             self._options[name] = {**self._options[name], **shard["hyperparameters"]}
+            self._stepped[name] = sorted(shard.get("stepped", ()))
         if step_count is not None:
             self.step_count = int(step_count)
         if loss_scaler is not None and self.loss_scaler is not None:

@@ -180,6 +180,7 @@ class ShardStateSide:
         user = self.param_groups[[g.name for g in self._setup.groups].index(group)]
         return {"flats": {MASTER: st.master, **{k: flats[k] for k in sorted(flats)}},
                 "param_scalars": self._stepper.param_state(group),
+                "stepped": sorted(self._stepper.stepped(group)),
                 "hyperparameters": {k: v for k, v in user.items() if k != "params"}}
 
     def loss_scaler_state(self: ZeroOptimizer) -> dict[str, Any]:
