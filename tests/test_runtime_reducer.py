@@ -8,7 +8,7 @@ import torch
 
 from evenzero.runtime.collectives import ReduceScatter, TraceRecorder
 from evenzero.runtime.gradclear import ClearTracker
-from evenzero.runtime.reducer import GradientReducer, ReducerConfig
+from evenzero.runtime.reducer import GradientReducer, ReducerConfig, keeps_pool
 from evenzero.runtime.routes import plan_routes
 from evenzero.runtime.shardedgrad import ShardedGrad, placeholders
 from evenzero.runtime.shardruns import ShardRuns
@@ -49,7 +49,7 @@ class FakeReduceScatter(ReduceScatter):
         return output.to(sum_dtype)
 
 
-def make_reducer(max_in_flight: int = 2, stage: int = 2):
+def make_reducer(max_in_flight: int = 2, stage: int = 2, keep_pool: bool = False):
     """Four 4-element params on one rank, two per bucket: bucket 0 holds p3, p2 (the
     assumed arrival order is reverse registration), bucket 1 holds p1, p0."""
     spec = ModelSpec(tuple(ParamSpec(n, (4,)) for n in NAMES))
@@ -63,7 +63,8 @@ def make_reducer(max_in_flight: int = 2, stage: int = 2):
     trace = TraceRecorder()
     tracker = ClearTracker(params, placeholders(list(params.items())))
     reducer = GradientReducer(plan_routes(p, {"dense": 0}), params, {"dense": group},
-                              ReducerConfig(stage, 1, max_in_flight, torch.device("cpu"), rs),
+                              ReducerConfig(stage, 1, max_in_flight, torch.device("cpu"), rs,
+                                            keep_pool=keep_pool),
                               trace, tracker, {"dense": ShardRuns.of(p, "dense", 0)})
     return reducer, params, group, rs, trace, p
 
@@ -99,6 +100,20 @@ def test_max_buckets_in_flight_bounds_outstanding_buckets(limit, expected):
     reducer.finish_grad_sync()
     assert rs.log == expected
     assert reducer.pool.nbytes() == 0, "the pool is freed after backward"
+
+
+def test_pool_is_kept_between_backwards_only_when_asked():
+    assert keeps_pool(torch.device("cpu")) and not keeps_pool(torch.device("cuda", 0))
+    reducer, params, *_ = make_reducer(keep_pool=True)
+    arenas = []
+    for _ in range(2):
+        for name in ("p3", "p2", "p1", "p0"):
+            give_grad(params, name)
+            reducer.grad_ready(name)
+        reducer.finish_grad_sync()
+        assert reducer.pool.nbytes() > 0, "kept for the next backward"
+        arenas.append(sorted(s.arena.data_ptr() for s in reducer.pool._all))
+    assert arenas[0] == arenas[1], "the next backward reuses the same arenas"
 
 
 def test_reduced_gradients_land_in_the_shard_and_grads_are_dropped():

@@ -169,3 +169,7 @@ class BucketPool:
 
     def nbytes(self) -> int:
         return sum(s.arena.numel() * s.arena.element_size() for s in self._all)
+
+    def idle(self) -> bool:
+        """No slot is acquired: what it holds is kept for the next backward."""
+        return sum(len(f) for f in self._free.values()) == len(self._all)

@@ -26,6 +26,9 @@ class MemoryReport:
     """Tensors in the inner optimizer's state (Adam moments, ...)."""
     parameters: int
     """Flat parameter buffers that back the model parameters (full model, param dtype)."""
+    bucket_pool: int = 0
+    """Stage 2's bucket arenas kept idle between backwards, on CPU only (reused by the
+    next backward; `runtime.reducer.keeps_pool` says why). Not gradients."""
 
     @property
     def gradients(self) -> int:
@@ -53,4 +56,5 @@ def measure(groups: Iterable, reducer, params: Iterable[torch.nn.Parameter],
         pending_grads=pending,
         master_weights=sum(_nbytes(g.master) for g in groups),
         optimizer_state=state,
-        parameters=flat.nbytes())
+        parameters=flat.nbytes(),
+        bucket_pool=reducer.kept_pool_nbytes())

@@ -93,7 +93,7 @@ from evenzero.runtime.memory import MemoryReport, measure
 from evenzero.runtime.paramwrites import adopt_replaced, refresh_masters
 from evenzero.runtime.precision import as_dtype, loss_scaler_for
 from evenzero.runtime.prefetch import ParamPrefetch
-from evenzero.runtime.reducer import GradientReducer, ReducerConfig
+from evenzero.runtime.reducer import GradientReducer, ReducerConfig, keeps_pool
 from evenzero.runtime.routes import plan_routes
 from evenzero.runtime.setup import broadcast_initial_state, establish, make_plan
 from evenzero.runtime.shardedgrad import drop_placeholders, placeholders
@@ -243,7 +243,8 @@ class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
             routes, self.params, self.groups,
             ReducerConfig(self.config.stage, self.world_size, self.config.max_buckets_in_flight,
                           self._setup.device, REDUCE_SCATTERS[self.reduce_scatter_algorithm],
-                          partial(getattr, self.loss_scaler, "scale")),
+                          partial(getattr, self.loss_scaler, "scale"),
+                          keeps_pool(self._setup.device)),
             self._recorder, self._clearing, self._runs)
         self._prefetch.bind(plan, self._flat, self.groups, gather_order(plan, self.groups))
 
