@@ -196,7 +196,7 @@ def choose_bucket_numel(spec: ModelSpec, world_size: int, cost_model: CostModel,
         best_stressed = min(e[0].stressed_s for e in fitting)
 
         def regret(c: Candidate) -> float:
-            return max(c.step_s / best, c.stressed_s / best_stressed)
+            return max(_ratio(c.step_s, best), _ratio(c.stressed_s, best_stressed))
 
         least = min(regret(e[0]) for e in fitting)
         pick = min((e for e in fitting if regret(e[0]) <= least + TIE),
@@ -206,6 +206,12 @@ def choose_bucket_numel(spec: ModelSpec, world_size: int, cost_model: CostModel,
     chosen, plan, timeline = pick
     return BucketChoice(chosen.numel, plan, timeline, budget, tuple(e[0] for e in entries),
                         _note(chosen, entries, budget, cost_model, profile, bool(fitting)))
+
+
+def _ratio(value: float, best: float) -> float:
+    """`value / best`, where a step predicted to take no time at all (an empty model) is
+    as good as the best."""
+    return value / best if best > 0 else (1.0 if value <= 0 else float("inf"))
 
 
 def slower_communication(cost: CostModel, factor: float) -> CostModel:
