@@ -17,6 +17,7 @@ is void, and zero_grad() lets everyone go on.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -24,7 +25,7 @@ import torch
 
 from evenzero.plan import Plan
 from evenzero.runtime.autotune import calibration_target, refine_bucket_numel
-from evenzero.runtime.checks import ZeroRuntimeError, backward_problems
+from evenzero.runtime.checks import ZeroConfigError, ZeroRuntimeError, backward_problems
 from evenzero.runtime.collectives import broadcast
 from evenzero.runtime.gradstats import GradStats
 from evenzero.runtime.lifecycle import TrainingState
@@ -42,6 +43,39 @@ REMOTE_PROBLEM = ("{n} other rank(s) found a problem in this step (in their back
 
 class BackwardSide:
     """Hook reactions and backward recovery; mixed into `ZeroOptimizer`."""
+
+    # ------------------------------------------------------------------ the result
+
+    def _grad_stats(self: ZeroOptimizer, what: str) -> GradStats:
+        """The step check's result, after making sure `what` may run now."""
+        if self._resources.closed:
+            raise ZeroRuntimeError(f"{what}() on a ZeroOptimizer that was closed; build a new "
+                                   f"one for the model")
+        life = self._life
+        if life.is_dead_backward():
+            problem = self._recover()
+            raise ZeroRuntimeError(f"{what}(): {problem}; call zero_grad() and go on")
+        life.require(what)
+        self._prefetch.wait_all()
+        return life.record.stats or self._run_step_check()
+
+    def clip_grad_norm_(self: ZeroOptimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale gradients so their global 2-norm is at most `max_norm`; returns the norm
+        before clipping, over all ranks and groups (like torch.nn.utils.clip_grad_norm_,
+        which also leaves the gradients alone for max_norm=inf)."""
+        if float(norm_type) != 2.0:
+            raise ZeroConfigError(f"clip_grad_norm_: only norm_type=2 is supported, got {norm_type}")
+        if (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
+                or math.isnan(max_norm) or max_norm < 0):
+            raise ZeroConfigError(f"clip_grad_norm_: max_norm must be a number >= 0 (inf to "
+                                  f"measure without clipping), got {max_norm!r}")
+        stats = self._grad_stats("clip_grad_norm_")
+        if not stats.overflow:
+            coef = max_norm / (stats.norm + 1e-6)
+            if coef < 1.0:
+                for st in self.groups.values():
+                    st.grad.mul_(coef)
+        return torch.tensor(stats.norm, dtype=torch.float32)
 
     # ------------------------------------------------------------------ hooks
 

@@ -61,7 +61,6 @@ add_param_group() (the shard layout is planned once).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
@@ -85,7 +84,7 @@ from evenzero.runtime.collectives import (
 )
 from evenzero.runtime.config import ZeroConfig
 from evenzero.runtime.gradclear import ClearTracker
-from evenzero.runtime.gradstats import GradStats, StepCheck, StepCheckConfig
+from evenzero.runtime.gradstats import StepCheck, StepCheckConfig
 from evenzero.runtime.hooks import BackwardHooks
 from evenzero.runtime.lifecycle import Lifecycle, TrainingState
 from evenzero.runtime.maskedstep import MaskedStep
@@ -280,37 +279,6 @@ class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
         self.scale_loss(loss).backward()
 
     # ------------------------------------------------------------------ step
-
-    def _grad_stats(self, what: str) -> GradStats:
-        """The step check's result, after making sure `what` may run now."""
-        if self._resources.closed:
-            raise ZeroRuntimeError(f"{what}() on a ZeroOptimizer that was closed; build a new "
-                                   f"one for the model")
-        life = self._life
-        if life.is_dead_backward():
-            problem = self._recover()
-            raise ZeroRuntimeError(f"{what}(): {problem}; call zero_grad() and go on")
-        life.require(what)
-        self._prefetch.wait_all()
-        return life.record.stats or self._run_step_check()
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale gradients so their global 2-norm is at most `max_norm`; returns the norm
-        before clipping, over all ranks and groups (like torch.nn.utils.clip_grad_norm_,
-        which also leaves the gradients alone for max_norm=inf)."""
-        if float(norm_type) != 2.0:
-            raise ZeroConfigError(f"clip_grad_norm_: only norm_type=2 is supported, got {norm_type}")
-        if (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
-                or math.isnan(max_norm) or max_norm < 0):
-            raise ZeroConfigError(f"clip_grad_norm_: max_norm must be a number >= 0 (inf to "
-                                  f"measure without clipping), got {max_norm!r}")
-        stats = self._grad_stats("clip_grad_norm_")
-        if not stats.overflow:
-            coef = max_norm / (stats.norm + 1e-6)
-            if coef < 1.0:
-                for st in self.groups.values():
-                    st.grad.mul_(coef)
-        return torch.tensor(stats.norm, dtype=torch.float32)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
