@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evenzero.deepspeed.config import DeepSpeedConfigError, batch_sizes, parse_config
+from evenzero.deepspeed.batch import batch_sizes
+from evenzero.deepspeed.config import DeepSpeedConfigError, parse_config
 from evenzero.deepspeed.fused_adam import FusedAdam
 from evenzero.deepspeed.loss_scaler import DeepSpeedLossScaler, LossScaleAtMinimum
 from evenzero.deepspeed.optimizers import (
