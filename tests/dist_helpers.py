@@ -26,10 +26,12 @@ import tempfile
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -157,6 +159,20 @@ def expect(case: Callable[[], None], expected: tuple | None) -> None:
         assert not missing, f"message lacks {missing}: {e}"
         return
     raise AssertionError(f"expected {error_type.__name__}, nothing was raised")
+
+
+def expected_cases_job(namespace: Mapping[str, Any], expected: Mapping[str, tuple | None],
+                       rank: int, world: int, seed: int | None = None) -> dict[str, str | None]:
+    """On one rank, run each `case_<name>(rank, world)` of `namespace` (a test module's
+    globals) and `expect` what `expected[name]` says; every rank meets at a barrier after
+    each case, so a case that hangs on one rank shows as a timeout, not a later failure."""
+
+    def one(name: str) -> None:
+        if seed is not None:
+            torch.manual_seed(seed)
+        expect(partial(namespace[f"case_{name}"], rank, world), expected[name])
+
+    return run_checks({name: partial(one, name) for name in expected}, barrier=True)
 
 
 class CheckResults:

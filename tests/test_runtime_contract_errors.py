@@ -8,14 +8,13 @@ per rank by the parent), and the harness's timeout turns a hang into a failure.
 from __future__ import annotations
 
 import gc
-from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_helpers import CheckResults, expect, run_checks
+from dist_helpers import CheckResults, expected_cases_job
 from test_runtime_models import MLP, mlp_batch, mlp_loss, part
 
 
@@ -196,14 +195,8 @@ EXPECTED = {
 }
 
 
-def _run_case(name: str, rank: int, world: int) -> None:
-    torch.manual_seed(0)
-    expect(partial(globals()[f"case_{name}"], rank, world), EXPECTED[name])
-
-
 def errors_job(rank, world):
-    return run_checks({name: partial(_run_case, name, rank, world) for name in EXPECTED},
-                      barrier=True)
+    return expected_cases_job(globals(), EXPECTED, rank, world, seed=0)
 
 
 RESULTS = CheckResults(errors_job, timeout=180)

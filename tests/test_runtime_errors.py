@@ -6,14 +6,12 @@ failure. Each case must raise on *every* rank (checked per rank by the parent).
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_helpers import CheckResults, expect, run_checks
+from dist_helpers import CheckResults, expected_cases_job
 from test_runtime_models import MLP, Branchy, mlp_batch, mlp_loss, part
 
 
@@ -221,13 +219,8 @@ EXPECTED = {
 }
 
 
-def _run_case(name: str, rank: int, world: int) -> None:
-    expect(partial(globals()[f"case_{name}"], rank, world), EXPECTED[name])
-
-
 def errors_job(rank, world):
-    return run_checks({name: partial(_run_case, name, rank, world) for name in EXPECTED},
-                      barrier=True)
+    return expected_cases_job(globals(), EXPECTED, rank, world)
 
 
 RESULTS = CheckResults(errors_job, timeout=180)
