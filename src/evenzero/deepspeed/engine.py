@@ -28,10 +28,9 @@ import torch
 
 from evenzero.deepspeed.boundary import StepPolicy, boundary_step
 from evenzero.deepspeed.config import EngineConfig
-from evenzero.deepspeed.engine_optimizer import EngineOptimizer
+from evenzero.deepspeed.engine_optimizer import EngineOptimizer, drop_local_grads
 from evenzero.deepspeed.launch import Placement
 from evenzero.deepspeed.log import logger
-from evenzero.runtime.shardedgrad import ShardedGrad
 
 
 class DeepSpeedEngine(torch.nn.Module):
@@ -243,12 +242,9 @@ class DeepSpeedEngine(torch.nn.Module):
         self._is_gradient_accumulation_boundary = is_boundary
 
     def zero_grad(self) -> None:
-        """Drop the parameters' local gradients (DeepSpeed's `engine.zero_grad`). Gradients
-        already reduced into this rank's shards (`p.grad` is their `ShardedGrad`
-        placeholder) are kept, as DeepSpeed keeps its reduced partitions."""
-        for p in self.module.parameters():
-            if not isinstance(p.grad, ShardedGrad):
-                p.grad = None
+        """Drop the parameters' local gradients (DeepSpeed's `engine.zero_grad`), frozen
+        ones included; reduced shards are kept (`drop_local_grads`)."""
+        drop_local_grads(self.module.parameters())
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         if self.inside_no_sync_ctxt:

@@ -5,6 +5,7 @@ the engine's `step()` does the stepping, as in DeepSpeed."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -61,14 +62,7 @@ class EngineOptimizer:
         (deepspeed/runtime/zero/stage_1_and_2.py@0.19.8:2613): gradients already reduced
         into this rank's shards in this accumulation window are kept, so a script calling
         `optimizer.zero_grad()` after every micro-step accumulates as under DeepSpeed."""
-        for p in self.zero.params.values():
-            if isinstance(p.grad, ShardedGrad):
-                continue  # reduced already: it stands for this rank's shard, which is kept
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.detach_()
-                p.grad.zero_()
+        drop_local_grads(self.zero.params.values(), set_to_none)
 
     def step(self, closure=None) -> None:
         raise RuntimeError("call engine.step() (it steps this optimizer at accumulation "
@@ -86,3 +80,17 @@ class EngineOptimizer:
 
     def __repr__(self) -> str:
         return f"EngineOptimizer({type(self.optimizer).__name__}, stage={self.zero.config.stage})"
+
+
+def drop_local_grads(params: Iterable[torch.nn.Parameter], set_to_none: bool = True) -> None:
+    """Clear the local `.grad` of `params`, keeping gradients already reduced into this
+    rank's shards (`p.grad` is their `ShardedGrad` placeholder), as DeepSpeed keeps its
+    reduced partitions."""
+    for p in params:
+        if isinstance(p.grad, ShardedGrad):
+            continue
+        if set_to_none:
+            p.grad = None
+        elif p.grad is not None:
+            p.grad.detach_()
+            p.grad.zero_()
