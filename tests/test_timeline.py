@@ -124,7 +124,7 @@ def test_gathers_in_forward_overlap_it():
     # half [3, 5]; backward [5, 6], its reduce-scatter [6, 7]. After the step instead:
     # forward 4, backward 1, reduce-scatter 1, then the two gathers, 2.
     for in_forward, total in ((True, 7), (False, 8)):
-        p = tiny_plan({0: ["a"]}, Execution(copies_grads=False, gather_in_forward=in_forward), step)
+        p = tiny_plan({0: ["a"]}, Execution(copies_grads=False, overlap_param_gather=in_forward), step)
         t = simulate(p, flat_cost(1.0), profile("a", forward_ms=4))
         assert t.total_s == pytest.approx(total * MS), in_forward
         assert t.forward_end_s == pytest.approx((5 if in_forward else 4) * MS)

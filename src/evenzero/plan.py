@@ -247,9 +247,10 @@ class Execution:
     """True: a bucket holding a parameter that produces no gradient is reduced only by
     the end-of-backward flush. False: such parameters do not hold it back (DDP's
     find_unused_parameters marks them ready; FSDP2 reduces the gradients it has)."""
-    gather_in_forward: bool = False
+    overlap_param_gather: bool = False
     """True: the step's all-gathers run in the next forward, each before the compute
-    that needs it (FSDP2). False: the step waits for them."""
+    that needs it (FSDP2; evenzero's `ZeroConfig.overlap_param_gather`, Megatron's
+    option of the same name). False: the step waits for them."""
 
     def __post_init__(self) -> None:
         m = self.max_in_flight

@@ -25,7 +25,7 @@ The rules come from the plan (`Plan.execution`), never from the strategy's name:
   then all are waited for.
 * Step: its all-reduces (norm, overflow, presence bits) come before the optimizer,
   which needs them; its all-gathers carry the updated parameters, so they follow it,
-  and the step waits for them, unless `gather_in_forward`: then each is waited for in
+  and the step waits for them, unless `overlap_param_gather`: then each is waited for in
   the next forward just before its share of forward compute, the next one prefetched.
 
 Every rank runs the same schedule, and expert groups run their calls at the same time
@@ -238,7 +238,7 @@ def simulate(plan: Plan, cost: CostModel, profile: ComputeProfile,
     before_optimizer = [c for c in plan.step() if c.op != "all_gather"]
 
     # Forward, with last step's all-gathers when they belong to it.
-    if ex.gather_in_forward and gathers:
+    if ex.overlap_param_gather and gathers:
         total = sum(c.numel for c in gathers) or 1
         ids = [lanes.launch(gathers[0])]
         for i, c in enumerate(gathers):

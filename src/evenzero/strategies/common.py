@@ -16,6 +16,10 @@ AUTO = "auto"
 """`PlanOptions.bucket_numel` value: pick the size with the timeline (evenzero only)."""
 
 
+OPTIMIZER_IMPLS = ("single_tensor", "foreach", "fused")
+"""torch.optim's implementations of an elementwise step (`PlanOptions.optimizer_impl`)."""
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     """Knobs a user can turn; None means the strategy's own default."""
@@ -40,6 +44,17 @@ class PlanOptions:
     bucket_memory_bytes: int | None = None
     """evenzero auto bucket size: bytes the bucket buffers in flight may take; None: the
     default budget (`evenzero.cost.autobucket.default_memory_budget`)."""
+    stage: int = 2
+    """ZeRO stage the runtime executes (`ZeroConfig.stage`): 2 keeps a gradient shard
+    between backward and step, 1 keeps the full gradients."""
+    overlap_param_gather: bool = False
+    """The step's parameter all-gathers run in the next forward (`ZeroConfig` and
+    `Execution` field of the same name) instead of before `step()` returns."""
+    master_dtype: str = "float32"
+    """Dtype of the master weights and optimizer state (`ZeroConfig.master_dtype`)."""
+    optimizer_impl: str | None = None
+    """How the inner optimizer steps a shard: "single_tensor", "foreach" or "fused"
+    (torch.optim's implementations); None: the runtime's default for the device."""
 
     def __post_init__(self) -> None:
         b = self.bucket_numel
@@ -54,6 +69,13 @@ class PlanOptions:
                             f"{self.bucket_memory_bytes!r}")
         if self.alignment_bytes <= 0:
             raise PlanError(f"alignment must be positive, got {self.alignment_bytes} bytes")
+        if isinstance(self.stage, bool) or self.stage not in (1, 2):
+            raise PlanError(f"stage must be 1 or 2, got {self.stage!r}")
+        if self.master_dtype not in DTYPE_BYTES:
+            raise PlanError(f"master dtype {self.master_dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        if self.optimizer_impl not in (None, *OPTIMIZER_IMPLS):
+            raise PlanError(f"optimizer implementation {self.optimizer_impl!r} is not one of "
+                            f"{OPTIMIZER_IMPLS}")
         if self.reduce_dtype is not None and self.reduce_dtype not in DTYPE_BYTES:
             raise PlanError(f"reduce dtype {self.reduce_dtype!r} is not one of {sorted(DTYPE_BYTES)}")
 

@@ -139,7 +139,7 @@ def plan_fsdp2(spec: ModelSpec, world_size: int, options: PlanOptions | None = N
 
 
 EXECUTION = Execution(max_in_flight=1, launch_in_order=False, copies_grads=True,
-                      missing_grads_hold_bucket=False, gather_in_forward=True)
+                      missing_grads_hold_bucket=False, overlap_param_gather=True)
 """A unit's post-backward waits for the previous unit's reduce-scatter before issuing its
 own (one in flight), after `_chunk_cat` copies the gradients in; units reduce only the
 gradients they got; parameters are all-gathered in the next forward."""

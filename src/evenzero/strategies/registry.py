@@ -64,6 +64,9 @@ class Strategy:
     """Optimizer state is sharded (False: every rank holds all of it, as DDP)."""
     compared: bool = True
     """Part of `evenzero plan --strategy all`."""
+    tunes_bucket_size: bool = False
+    """Its bucket size may be refined at run time from measured backwards
+    (`ZeroConfig.bucket_numel="auto"`; `runtime/autotune.py`)."""
 
     def plan(self, spec: ModelSpec, world_size: int, options: PlanOptions | None = None) -> Plan:
         return self.planner(spec, world_size, options or PlanOptions())
@@ -77,7 +80,8 @@ REGISTRY: tuple[Strategy, ...] = (
     Strategy("evenzero", evenzero.plan_evenzero,
              MemoryModel(GradsAtRest.FP32_SHARD, buckets_in_flight=2,
                          in_flight_basis="2 buckets in flight"),
-             "arrival-ordered layout, one equal reduce-scatter per bucket"),
+             "arrival-ordered layout, one equal reduce-scatter per bucket",
+             tunes_bucket_size=True),
     Strategy("deepspeed-0.6", deepspeed.plan_deepspeed_reduce, _DEEPSPEED_MEMORY,
              "DeepSpeed ZeRO-2 v0.6 - v0.12.3: one reduce per (destination, adjacent run)"),
     Strategy("deepspeed", deepspeed.plan_deepspeed_allreduce, _DEEPSPEED_MEMORY,
