@@ -76,7 +76,11 @@ def expert_groups(module: torch.nn.Module, backend: str,
         out.update(groups._get_expert_data_parallel_group_dict())
     for m in module.modules():
         if isinstance(m, MoE):
-            out[m.expert_group_name] = expert_groups_named(m.expert_group_name).edp_group
+            made = expert_groups_named(m.expert_group_name)
+            if made is None:
+                raise RuntimeError(f"the MoE layer's process groups {m.expert_group_name!r} were "
+                                   f"not created by its set_deepspeed_parallelism (overridden?)")
+            out[m.expert_group_name] = made.edp_group
     for m in evenzero_moe_layers(module):
         out[m.groups.group_name] = m.groups.edp_group
     names = {p.group_name for p in module.parameters() if is_expert(p)}
