@@ -363,6 +363,32 @@ def _check_real_layer_under_evenzero() -> None:
     compare(ds, ez, case)
 
 
+def _check_forward_before_initialize() -> None:
+    """A forward before `initialize` creates the groups (E + D layout) on every rank, and
+    `initialize` reuses them; asking for the D + E layout after that is refused on every
+    rank. Runs first in its job, before anything created evenzero's "ep_size_2" groups."""
+    import torch.distributed as dist
+
+    import ds_moe_script as script
+    from evenzero.deepspeed.moe.groups import expert_groups_named
+
+    deepspeed = script.load_deepspeed("evenzero")
+    case = "top1_ep2_rsample"
+    assert expert_groups_named("ep_size_2") is None
+    model = script.build_model(deepspeed, case)
+    x = script.dataset(case).tensors[0][:4]
+    with torch.no_grad():
+        model(x)
+    made = expert_groups_named("ep_size_2")
+    assert dist.get_process_group_ranks(made.ep_group) == [0, 1]
+    assert model.moe[0].deepspeed_moe.ep_group is made.ep_group
+    config = {**script.CONFIGS[case], "use_data_before_expert_parallelism": True}
+    with pytest.raises(ValueError, match="E \\+ D layout"):
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    result = script.train(deepspeed, case, model=model, epochs=1)
+    assert all(math.isfinite(v) for v in result["losses"])
+
+
 def _check_groups_like_deepspeed(rank: int, world: int) -> None:
     """Rank sets of the expert-parallel and expert-data-parallel groups, E + D and D + E,
     against DeepSpeed's `_create_expert_and_data_parallel`."""
@@ -400,7 +426,8 @@ def _job(rank: int, world: int, cases: tuple[str, ...]) -> tuple[dict, dict]:
     def one(case):
         results[case] = run_case(case)
 
-    checks = {case: (lambda c=case: one(c)) for case in cases}
+    checks = {"forward_before_initialize": _check_forward_before_initialize}
+    checks.update({case: (lambda c=case: one(c)) for case in cases})
     checks["real_layer_under_evenzero"] = _check_real_layer_under_evenzero
     checks["groups_like_deepspeed"] = lambda: _check_groups_like_deepspeed(rank, world)
     return run_checks(checks, barrier=True), results
@@ -421,7 +448,8 @@ class _Job(CheckResults):
 JOB = _Job(_job, timeout=900)
 
 
-@pytest.mark.parametrize("case", CASES + ("real_layer_under_evenzero",))
+@pytest.mark.parametrize("case", CASES + ("real_layer_under_evenzero",
+                                          "forward_before_initialize"))
 def test_same_as_deepspeed_2_ranks(case):
     _deepspeed()
     JOB.assert_passed(case, 2, CASES)
@@ -432,16 +460,38 @@ def test_expert_groups_rank_sets_like_deepspeed_2_ranks():
     JOB.assert_passed("groups_like_deepspeed", 2, CASES)
 
 
-@pytest.mark.slow
-def test_expert_groups_rank_sets_like_deepspeed_4_ranks():
-    _deepspeed()
-    out = run_distributed(_groups_job, 4, timeout=600)
-    assert all(r is None for r in out), next(r for r in out if r)
+def _check_data_before_expert_refused() -> None:
+    """`use_data_before_expert_parallelism: true` with 1 < ep_size < world: refused by name
+    on every rank (ZeroOptimizer plans expert groups in the E + D layout only)."""
+    import ds_moe_script as script
+
+    deepspeed = script.load_deepspeed("evenzero")
+    case = "top2_ep2_residual"
+    config = {**script.CONFIGS[case], "use_data_before_expert_parallelism": True}
+    model = script.build_model(deepspeed, case)
+    with pytest.raises(deepspeed.DeepSpeedConfigError, match="use_data_before_expert_parallelism"):
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
 
 
-def _groups_job(rank: int, world: int) -> str | None:
+def _four_rank_job(rank: int, world: int) -> dict[str, str | None]:
     _prepare_rank(rank)
-    return run_checks({"groups": lambda: _check_groups_like_deepspeed(rank, world)})["groups"]
+    return run_checks({
+        "top2_ep2_residual": lambda: run_case("top2_ep2_residual"),
+        "data_before_expert_refused": _check_data_before_expert_refused,
+        "groups_like_deepspeed": lambda: _check_groups_like_deepspeed(rank, world),
+    }, barrier=True)
+
+
+FOUR_RANKS = CheckResults(_four_rank_job, timeout=1800)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("check", ["top2_ep2_residual", "data_before_expert_refused",
+                                   "groups_like_deepspeed"])
+def test_4_ranks(check):
+    """At 4 ranks ep_size 2 has expert-data-parallel pairs, and D + E differs from E + D."""
+    _deepspeed()
+    FOUR_RANKS.assert_passed(check, 4)
 
 
 def test_cifar_moe_without_deepspeed(tmp_path):

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from evenzero.deepspeed.config import DeepSpeedConfigError
 from evenzero.deepspeed.moe.groups import expert_groups_named
 from evenzero.deepspeed.moe.layer import MoE
 from evenzero.deepspeed.optimizers import is_expert
@@ -61,6 +62,7 @@ def expert_groups(module: torch.nn.Module, backend: str,
                   use_data_before_expert_parallel: bool) -> dict[str, Any]:
     """`{group_name: expert-data-parallel process group}` for every MoE layer."""
     out: dict[str, Any] = {}
+    _check_layout(module, use_data_before_expert_parallel)
     real = real_deepspeed_moe_layers(module)
     if real:
         ds_comm = sys.modules["deepspeed"].comm
@@ -90,6 +92,23 @@ def expert_groups(module: torch.nn.Module, backend: str,
                          f"(param.allreduce=False), but no DeepSpeed or evenzero MoE layer in "
                          f"the model provides that group's process group")
     return out
+
+
+def _check_layout(module: torch.nn.Module, use_data_before_expert_parallel: bool) -> None:
+    """DeepSpeed's "D + E" layout puts the expert-data-parallel groups on consecutive ranks;
+    `ZeroOptimizer` plans expert groups in the "E + D" layout ({i, i+E, ...}). The two have
+    the same rank sets when ep_size is 1 or the world size; otherwise refused by name, on
+    every rank, before any group is made."""
+    if not use_data_before_expert_parallel or not dist.is_initialized():
+        return
+    world = dist.get_world_size()
+    sizes = sorted({m.ep_size for m in deepspeed_moe_layers(module) if 1 < m.ep_size < world})
+    if sizes:
+        raise DeepSpeedConfigError(
+            f"config key 'use_data_before_expert_parallelism': true is not supported by "
+            f"evenzero.deepspeed with ep_size {sizes[0]} on {world} ranks: evenzero lays out "
+            f"expert groups in DeepSpeed's default E + D rank order only; remove the key (or set "
+            f"it to false)")
 
 
 @torch.no_grad()

@@ -8,7 +8,9 @@ and shared by every layer of that size, with DeepSpeed's rank sets for both of i
 (`evenzero.moe.expert_parallel_groups`); creating them is a collective, so every rank
 creates them at the same point: when the engine calls each layer's
 `set_deepspeed_parallelism`, as DeepSpeed's engine does, or at a layer's first forward.
-Groups made for an earlier default process group (destroyed since) are made again.
+Groups made for an earlier default process group (destroyed since) are made again. Asking
+for a name's groups in the other layout is refused: DeepSpeed would silently reuse the
+first (it checks only the name, groups.py@0.19.8:432, 449).
 """
 
 from __future__ import annotations
@@ -46,11 +48,13 @@ def create_expert_groups(ep_size: int, use_data_before_expert_parallel: bool = F
         if made.data_before_expert != use_data_before_expert_parallel:
             layout = {False: "E + D", True: "D + E"}
             raise ValueError(
-                f"the MoE process groups {name!r} exist already in the "
+                f"the MoE process groups {name!r} exist already in this process in the "
                 f"{layout[made.data_before_expert]} layout (use_data_before_expert_parallel_="
-                f"{made.data_before_expert}), but {layout[use_data_before_expert_parallel]} is "
-                f"asked for now; a forward before deepspeed.initialize creates them in the default "
-                f"E + D layout, so call initialize first or leave the setting at its default")
+                f"{made.data_before_expert}), made by an earlier deepspeed.initialize or by a "
+                f"forward before initialize (which uses E + D), but this model asks for "
+                f"{layout[use_data_before_expert_parallel]}. DeepSpeed keeps one set of groups "
+                f"per name and would reuse the first layout whatever the config says; use one "
+                f"layout per process")
         return made.groups
     info_rank0("creating MoE process groups %s (expert-parallel size %d, %s layout)", name,
                ep_size, "D + E" if use_data_before_expert_parallel else "E + D")
