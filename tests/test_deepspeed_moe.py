@@ -6,9 +6,12 @@
   residual MoE, train and eval, fp32 and bf16; the same parameter names and initial values
   after the same seed; the param-group split equals DeepSpeed's.
 - 2 gloo ranks: the same training script (tests/ds_moe_script.py) under real DeepSpeed and
-  under `evenzero.deepspeed`, ep_size 1 and 2: losses, `l_aux`, expert counts, parameters
-  and an eval forward agree; a model built with real DeepSpeed's layer still trains under
-  evenzero's engine; the expert groups have DeepSpeed's rank sets in both layouts.
+  under `evenzero.deepspeed`, ep_size 1 and 2: losses, `l_aux`, expert counts, parameters,
+  an eval forward and the global RNG state after agree; a model built with real
+  DeepSpeed's layer still trains under evenzero's engine; a forward before `initialize`
+  creates the groups; the expert groups have DeepSpeed's rank sets in both layouts (also at
+  4 ranks, slow, with a training run and the refusal of the D + E layout the runtime does
+  not plan).
 - Without DeepSpeed (imports of it blocked), the CIFAR example's MoE run still trains, and
   gives DeepSpeed's losses.
 """
