@@ -232,9 +232,8 @@ def initialize(deepspeed, case: str, args=None):
         opt = deepspeed.ops.adam.FusedAdam(model.parameters(), lr=5e-3, weight_decay=0.01)
         kwargs = {"optimizer": opt}
     elif case.startswith("moe_"):
-        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-
-        kwargs = {"model_parameters": split_params_into_different_moe_groups_for_optimizer(
+        split = deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer
+        kwargs = {"model_parameters": split(
             {"params": [p for p in model.parameters() if p.requires_grad], "name": "parameters"})}
     else:
         kwargs = {"model_parameters": [p for p in model.parameters() if p.requires_grad]}

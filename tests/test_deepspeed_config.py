@@ -277,12 +277,13 @@ def test_loss_scaler_from_config_and_state_round_trip():
 
 
 def test_importing_does_not_import_deepspeed():
-    """`import evenzero.deepspeed` must not import DeepSpeed (nor need it installed);
-    `deepspeed.moe.layer` is DeepSpeed's, imported on first use."""
+    """`import evenzero.deepspeed` must not import DeepSpeed (nor need it installed),
+    `deepspeed.moe.layer` included (evenzero's implementation of DeepSpeed's layer)."""
     import subprocess
     import sys
 
     code = ("import sys, evenzero.deepspeed as ds; assert 'deepspeed' not in sys.modules; "
-            "ds.comm.get_rank(); ds.WarmupLR; ds.initialize; "
+            "ds.comm.get_rank(); ds.WarmupLR; ds.initialize; ds.moe.layer.MoE; "
+            "ds.moe.utils.split_params_into_different_moe_groups_for_optimizer; "
             "assert 'deepspeed' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

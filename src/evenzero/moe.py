@@ -3,7 +3,10 @@
 With E-way expert parallelism on W ranks, the experts are split over the E ranks of an
 expert-parallel (EP) group {kE, ..., kE+E-1}; tokens travel to their expert's rank with
 `all_to_all`. The same experts are replicated on the W/E ranks of an expert-data-parallel
-(EDP) group {i, i+E, ...}, over which their gradients are reduced (DeepSpeed's layout).
+(EDP) group {i, i+E, ...}, over which their gradients are reduced (DeepSpeed's default
+"E + D" layout). DeepSpeed's `use_data_before_expert_parallel_` ("D + E") swaps the roles:
+with D = W/E, EDP groups are {iD, ..., iD+D-1} and EP groups {j, j+D, ...}
+(deepspeed/utils/groups.py@0.19.8:427-471 builds both with the same rank sets).
 
 Expert parameters carry DeepSpeed's marker (`param.allreduce = False`,
 `param.group_name = "ep_size_E"`), so `ZeroOptimizer(..., expert_groups={name: edp})`
@@ -32,9 +35,10 @@ class ExpertGroups:
     """This rank's expert-parallel and expert-data-parallel process groups."""
 
     ep_group: Any
-    """Ranks that together hold all experts: {kE, ..., kE+E-1}."""
+    """Ranks that together hold all experts: {kE, ..., kE+E-1} (E + D layout)."""
     edp_group: Any
-    """Ranks holding the same experts, over which their gradients are reduced: {i, i+E, ...}."""
+    """Ranks holding the same experts, over which their gradients are reduced: {i, i+E, ...}
+    (E + D layout)."""
     ep_rank: int
     """This rank's position in its EP group (which slice of experts it holds)."""
     edp_rank: int
@@ -48,24 +52,34 @@ class ExpertGroups:
         return f"ep_size_{self.ep_size}"
 
 
-def expert_parallel_groups(ep_size: int) -> ExpertGroups:
-    """Create every EP and EDP group (same order on every rank) and return this rank's."""
+def expert_parallel_groups(ep_size: int, data_before_expert: bool = False) -> ExpertGroups:
+    """Create every EP and EDP group (same order on every rank) and return this rank's.
+
+    `data_before_expert=True` is DeepSpeed's "D + E" layout (`use_data_before_expert_parallel_`);
+    the default is its "E + D" layout. A collective: every rank of the world calls it."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1 or world % ep_size:
         raise ValueError(f"expert-parallel size {ep_size!r} must be a positive divisor of the "
                          f"world size {world}")
+    dp = world // ep_size
+    if data_before_expert:
+        ep_sets = [range(j, world, dp) for j in range(dp)]
+        edp_sets = [range(i * dp, (i + 1) * dp) for i in range(ep_size)]
+        ep_rank, edp_rank = rank // dp, rank % dp
+    else:
+        ep_sets = [range(k * ep_size, (k + 1) * ep_size) for k in range(dp)]
+        edp_sets = [range(i, world, ep_size) for i in range(ep_size)]
+        ep_rank, edp_rank = rank % ep_size, rank // ep_size
     ep = edp = None
-    for k in range(world // ep_size):
-        ranks = list(range(k * ep_size, (k + 1) * ep_size))
-        group = dist.new_group(ranks)
+    for ranks in ep_sets:
+        group = dist.new_group(list(ranks))
         if rank in ranks:
             ep = group
-    for i in range(ep_size):
-        ranks = list(range(i, world, ep_size))
-        group = dist.new_group(ranks)
+    for ranks in edp_sets:
+        group = dist.new_group(list(ranks))
         if rank in ranks:
             edp = group
-    return ExpertGroups(ep, edp, rank % ep_size, rank // ep_size, ep_size)
+    return ExpertGroups(ep, edp, ep_rank, edp_rank, ep_size)
 
 
 class _AllToAll(torch.autograd.Function):

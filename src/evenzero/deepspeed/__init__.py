@@ -10,9 +10,9 @@ evenzero, changing only that import.
 
 The names here mirror the DeepSpeed 0.19.8 API such a script uses: `initialize`,
 `init_distributed`, `add_config_arguments`, `DeepSpeedEngine`, `comm`, `moe` (DeepSpeed's
-own MoE layer, imported lazily when DeepSpeed is installed), the LR schedules (also as
-`runtime.lr_schedules`), `ops.adam.FusedAdam` / `DeepSpeedCPUAdam` (their CPU kernel's
-arithmetic in PyTorch) and `utils.logger` / `utils.log_dist`. What
+MoE layer and its helpers, implemented here: `moe.layer`, `moe.utils`, ...), the LR
+schedules (also as `runtime.lr_schedules`), `ops.adam.FusedAdam` / `DeepSpeedCPUAdam` (their
+CPU kernel's arithmetic in PyTorch) and `utils.logger` / `utils.log_dist`. What
 each config key maps to, what is accepted as a no-op and what is refused: docs/why.md,
 "Switching from DeepSpeed in one line". DeepSpeed itself is never imported here.
 """
