@@ -42,6 +42,7 @@ import os
 import zlib
 from pathlib import Path
 
+from evenzero.checkpoint import background
 from evenzero.checkpoint import files as checkpoint_io
 from evenzero.checkpoint.agree import agree, attempt
 from evenzero.checkpoint.compat import check_compatible
@@ -66,7 +67,7 @@ from evenzero.checkpoint.writer import publish, snapshot
 
 
 def save(opt: ShardedOptimizer, directory: str | os.PathLike, step: int | None = None, *,
-         extra: object = None, tag: str | None = None) -> Path:
+         extra: object = None, tag: str | None = None, blocking: bool = True) -> Path:
     """Write a checkpoint under `directory` from every rank (a collective); returns its path.
 
     Args:
@@ -78,15 +79,32 @@ def save(opt: ShardedOptimizer, directory: str | os.PathLike, step: int | None =
             gives each rank its own back as `Manifest.extra`.
         tag: save as `directory/<tag>` instead of `step-NNNNNN` (DeepSpeed's tag): one
             directory name, without separators, not empty and not starting with `.`.
+        blocking: False returns as soon as this rank's state is copied off the live
+            tensors (a snapshot), and the files are written and published by a background
+            thread while training goes on (`evenzero.checkpoint.background`). The
+            checkpoint is published when `wait()` returns; the next `save`, `wait()`,
+            `load` and a clean interpreter exit wait for it, and a failure is raised by
+            the next `save`, `wait()` or `load`, on every rank. One save is in flight at a
+            time; its snapshot is held in CPU buffers reused by every background save:
+            per rank, 4 bytes x (1 + elementwise state tensors, 2 for AdamW) x this rank's
+            shard elements, i.e. about 12 bytes x parameters / world size for AdamW (plus,
+            on rank 0, the buffers and frozen parameters, and a copy of `extra`'s
+            tensors). Call `wait()` before `dist.destroy_process_group()`.
 
     Saving a step or tag that already exists replaces it; until the new copy is published
     the old one stays loadable, and a crash at any point leaves one of the two.
     """
+    background.wait()
     place = RankPlace.of(opt)
     root = Path(directory)
+    copies = None if blocking else background.buffers()
 
     def take() -> tuple[tuple[int, str], object]:
-        return _checkpoint_name(opt, step, tag), snapshot(opt, place, extra)
+        named = _checkpoint_name(opt, step, tag)
+        taken = snapshot(opt, place, extra, copies.copy if copies is not None else None)
+        if copies is not None:
+            copies.settle()
+        return named, taken
 
     result, err = attempt(take)
     named = result[0] if result else None
@@ -95,7 +113,21 @@ def save(opt: ShardedOptimizer, directory: str | os.PathLike, step: int | None =
           differ=f"ranks passed different steps or tags to save() (this rank: {mine}); every "
                  f"rank must save the same checkpoint")
     (step, name), snap = result
-    return publish(snap, place, root, name, step)
+    if blocking:
+        return publish(snap, place, root, name, step)
+    quiet = background.save_place(place)
+    background.start(lambda: publish(snap, quiet, root, name, step), root / name, root)
+    return root / name
+
+
+def wait() -> Path | None:
+    """Wait for this process's background save (`save(..., blocking=False)`), if any.
+
+    Returns the checkpoint it published (None when no save was in flight). If it failed,
+    raises its `CheckpointError`, the same on every rank (the ranks agree on the outcome
+    of every step), once. Not a collective: each rank waits for its own thread.
+    """
+    return background.wait()
 
 
 def load(opt: ShardedOptimizer, path: str | os.PathLike, *, tag: str | None = None) -> Manifest:
@@ -106,8 +138,10 @@ def load(opt: ShardedOptimizer, path: str | os.PathLike, *, tag: str | None = No
     same `CheckpointError` on every rank if any rank finds a problem, and then no state
     has changed. Returns the manifest, whose `extra` is this rank's saved `extra` (the
     saving rank with the same number; rank 0's when the saving world was smaller), or
-    None if that rank saved none.
+    None if that rank saved none. A background save in flight is waited for first (and
+    its failure raised).
     """
+    background.wait()
     place = RankPlace.of(opt)
 
     def read() -> tuple[Manifest, StagedState]:
@@ -131,8 +165,12 @@ def load(opt: ShardedOptimizer, path: str | os.PathLike, *, tag: str | None = No
 def latest(directory: str | os.PathLike) -> Path | None:
     """The newest published `step-*` checkpoint under `directory`, or None (no collective).
 
-    Tagged checkpoints are not ordered by step; load them by tag.
+    Tagged checkpoints are not ordered by step; load them by tag. A background save of
+    this process into `directory` is waited for first (its failure stays for the next
+    `save`, `wait()` or `load` to raise), so every rank sees the same newest one.
     """
+    if background.pending_under(Path(directory)):
+        background.wait(raise_error=False)
     return checkpoint_io.newest(Path(directory))
 
 
@@ -152,5 +190,6 @@ def _checkpoint_name(opt: ShardedOptimizer, step: object, tag: str | None) -> tu
 
 
 __all__ = ["CheckpointError", "Manifest", "consolidated_state_dict", "export_consolidated",
-           "import_consolidated", "latest", "load", "load_consolidated_state_dict", "save"]
+           "import_consolidated", "latest", "load", "load_consolidated_state_dict", "save",
+           "wait"]
 __all__ += ["DeepSpeedCheckpoint", "is_deepspeed_checkpoint", "load_deepspeed"]
