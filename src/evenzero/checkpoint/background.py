@@ -75,9 +75,11 @@ class SnapshotBuffers:
                               pin_memory=source.device.type == "cuda")
             self._held[key] = buf
         on_gpu = source.device.type == "cuda"
-        buf.copy_(source, non_blocking=on_gpu)
-        if on_gpu:
+        if on_gpu and source.device not in self._devices:
+            # Whatever any stream still queues for this state comes first.
+            torch.cuda.synchronize(source.device)
             self._devices.add(source.device)
+        buf.copy_(source, non_blocking=on_gpu)
         self._used.add(key)
         return buf
 

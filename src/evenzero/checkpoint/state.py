@@ -1,12 +1,12 @@
 """What a checkpoint reads from a running optimizer: this rank's place, its shards, its model.
 
-Only this module and `evenzero.checkpoint.staging` talk to the optimizer, and only
-through `evenzero.checkpoint.protocol.ShardedOptimizer` (which `ZeroOptimizer`
-implements): where this rank sits among the ranks (`RankPlace`) and in each plan group
-(`ShardTarget`), per plan group this rank's flat shards (fp32 masters and elementwise
-state), each parameter's scalar state and the group's hyperparameters, and the model
-through `module` (its trained parameters by name, and the buffers and frozen
-parameters a checkpoint stores whole).
+The checkpoint package reaches the optimizer only through
+`evenzero.checkpoint.protocol.ShardedOptimizer` (which `ZeroOptimizer` implements), and
+these are the readers its parts share: where this rank sits among the ranks
+(`RankPlace`) and in each plan group (`ShardTarget`), per plan group this rank's flat
+shards (fp32 masters and elementwise state), each parameter's scalar state and the
+group's hyperparameters, and the model through `module` (its trained parameters by
+name, and the buffers and frozen parameters a checkpoint stores whole).
 """
 
 from __future__ import annotations
