@@ -12,8 +12,8 @@ windows of `--steps` training steps, barrier to barrier, so the slowest rank cou
 * background: `checkpoint.save(opt, dir, blocking=False)`, the steps, and then
   `checkpoint.wait()`, so a write that the steps did not hide counts too.
 
-The stall of a save is its window's median minus the plain window's median: the extra
-time training spent because of it (for the background save: the snapshot copy, what
+The stall of a save is the median over repeats of its window minus the plain window of
+the same repeat (the three run back to back): the extra time training spent because of it (for the background save: the snapshot copy, what
 the writer took from the training ranks' cores and disk, and any wait). Windows of the
 three kinds are interleaved, after warm-up steps and one untimed save of each kind (the
 first background save creates its process group and buffers). Every save replaces the
@@ -115,10 +115,16 @@ def stall_worker(ctx: RankContext, cfg: StallConfig) -> dict:
 
 
 def summarise(result: dict, steps: int) -> dict:
-    med = {k: statistics.median(w["total"] for w in result["times"][k]) for k in KINDS}
-    stall = {k: med[k] - med["plain"] for k in ("blocking", "background")}
-    returned = statistics.median(w["save_returned"] for w in result["times"]["background"])
-    blocking_save = statistics.median(w["save_returned"] for w in result["times"]["blocking"])
+    times = result["times"]
+    med = {k: statistics.median(w["total"] for w in times[k]) for k in KINDS}
+    # Each repeat runs the three windows back to back: the difference to its own plain
+    # window cancels a slow drift of the machine's load.
+    stall = {k: statistics.median(w["total"] - p["total"] for w, p in zip(times[k],
+                                                                          times["plain"],
+                                                                          strict=True))
+             for k in ("blocking", "background")}
+    returned = statistics.median(w["save_returned"] for w in times["background"])
+    blocking_save = statistics.median(w["save_returned"] for w in times["blocking"])
     return {"step_s": med["plain"] / steps, "window_s": med, "stall_s": stall,
             "stall_ratio": stall["background"] / stall["blocking"] if stall["blocking"] > 0
             else float("nan"),

@@ -59,7 +59,7 @@ class SnapshotBuffers:
     """CPU tensors a background save copies the live state into, reused save after save.
 
     A buffer is kept per key (plan group and state kind, or model entry) and replaced
-    only when the shape or dtype of what it copies changes; `release_unused` drops the
+    only when the shape or dtype of what it copies changes; `settle` drops the
     buffers the last snapshot did not use, so the held memory stays that of one snapshot.
     """
 
