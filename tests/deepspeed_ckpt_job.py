@@ -354,7 +354,7 @@ def write_marker_if_unpickled(path: str) -> None:
 def partial_loads(rank: int, world: int, run: Run, ckpt: str) -> dict[str, Any]:
     """`load_optimizer_states=False` and `load_module_only=True`, as DeepSpeed does them."""
     from evenzero.checkpoint import load_deepspeed
-    from evenzero.checkpoint.deepspeed_files import read_deepspeed
+    from evenzero.checkpoint.deepspeed.reader import read_deepspeed
 
     saved = read_deepspeed(ckpt, optimizer_states=False).module
     out: dict[str, Any] = {}
@@ -375,7 +375,7 @@ def partial_loads(rank: int, world: int, run: Run, ckpt: str) -> dict[str, Any]:
 
 def exclude_frozen_loads(rank: int, world: int, run: Run, ckpt: str) -> dict[str, Any]:
     from evenzero.checkpoint import CheckpointError, load_deepspeed
-    from evenzero.checkpoint.deepspeed_files import read_deepspeed
+    from evenzero.checkpoint.deepspeed.reader import read_deepspeed
 
     saved = read_deepspeed(ckpt, optimizer_states=False).module
     model, opt, scheduler = build_evenzero(run, Resume(gas=2))

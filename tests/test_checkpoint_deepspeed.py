@@ -31,7 +31,7 @@ from deepspeed_ckpt_job import (
 )
 from deepspeed_fixtures import checkpoint, needs_deepspeed
 from dist_helpers import run_distributed
-from evenzero.commands.convert_deepspeed import convert_deepspeed
+from evenzero.checkpoint.deepspeed.offline import convert_deepspeed
 
 pytestmark = needs_deepspeed
 
@@ -111,7 +111,7 @@ def test_elastic_checkpoint_loads_the_same_state(tmp_path_factory):
     groups; the same training saved rigidly must load to the same masters and moments."""
     rigid, _ = checkpoint(Run(), tmp_path_factory)
     elastic, _ = checkpoint(Run(zero_extra={"elastic_checkpoint": True}), tmp_path_factory)
-    from evenzero.checkpoint.deepspeed_files import read_deepspeed
+    from evenzero.checkpoint.deepspeed.reader import read_deepspeed
 
     a, b = read_deepspeed(rigid), read_deepspeed(elastic)
     assert b.groups[0].hyperparameters is None

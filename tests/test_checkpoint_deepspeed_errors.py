@@ -21,9 +21,9 @@ from deepspeed_ckpt_job import Run, damaged_loads, write_marker_if_unpickled
 from deepspeed_fixtures import checkpoint, needs_deepspeed
 from dist_helpers import run_distributed
 from evenzero.checkpoint import CheckpointError, is_deepspeed_checkpoint
-from evenzero.checkpoint.deepspeed_flat import FlatGroup
-from evenzero.checkpoint.deepspeed_optim import loss_scaler_state, optimizer_values
-from evenzero.checkpoint.deepspeed_pickle import load_file
+from evenzero.checkpoint.deepspeed.allowlist import load_file
+from evenzero.checkpoint.deepspeed.optim_state import loss_scaler_state, optimizer_values
+from evenzero.checkpoint.deepspeed.reader import FlatGroup
 from evenzero.cli import main
 
 TAG = "global_step4"
@@ -233,7 +233,7 @@ def test_cli_converts_without_deepspeed_or_torch_distributed(tmp_path_factory, t
                          ids=["zero3", "moe"])
 def test_real_unsupported_checkpoints_are_refused(run, words, tmp_path_factory):
     """Real ZeRO-3 and MoE checkpoints of DeepSpeed 0.19.8: refused with the reason."""
-    from evenzero.checkpoint.deepspeed_files import read_deepspeed
+    from evenzero.checkpoint.deepspeed.reader import read_deepspeed
 
     ckpt, _ = checkpoint(run, tmp_path_factory)
     assert is_deepspeed_checkpoint(ckpt)

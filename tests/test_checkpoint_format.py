@@ -33,7 +33,6 @@ from evenzero.checkpoint.format import (
     rank_file,
     storage_name,
 )
-from evenzero.checkpoint.rankindex import RankIndex, merge_indices
 from evenzero.checkpoint.reshard import (
     assemble_shard,
     fill_shard,
@@ -42,6 +41,7 @@ from evenzero.checkpoint.reshard import (
     split_shard,
 )
 from evenzero.checkpoint.values import decode_value, encode_value
+from evenzero.checkpoint.writer import RankIndex, merge_indices
 from evenzero.plan import Plan
 from evenzero.spec import GroupSpec, ModelSpec, ParamSpec
 from evenzero.strategies import PlanOptions, plan

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +32,14 @@ import torch.distributed as dist
 
 from evenzero.checkpoint.agree import agree, attempt
 from evenzero.checkpoint.format import MASTER, CheckpointError
+from evenzero.checkpoint.protocol import ShardedOptimizer
 from evenzero.checkpoint.reshard import fill_shard, scatter_shard
+from evenzero.checkpoint.staging import StagedGroup, apply, stage
 from evenzero.checkpoint.state import (
     RankPlace,
-    StagedState,
-    apply,
+    ShardTarget,
     extra_tensors,
-    group_place,
+    group_params,
     group_state,
     stepped_params,
     trainable_names,
@@ -48,7 +50,7 @@ OPTIMIZER_FILE = "optimizer.pt"
 MASTER_FILE = "master-fp32.safetensors"
 
 
-def consolidated_state_dict(opt: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any],
+def consolidated_state_dict(opt: ShardedOptimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any],
                                                dict[str, torch.Tensor]]:
     """(model state dict, optimizer state dict keyed by name, fp32 masters) of this rank's
     module, whole and on the CPU. A collective over every group's process group."""
@@ -91,7 +93,7 @@ def consolidated_state_dict(opt: Any) -> tuple[dict[str, torch.Tensor], dict[str
     return model, {"state": state, "param_groups": param_groups}, masters
 
 
-def _gather(opt: Any, group: str, size: int, flat: torch.Tensor) -> list[torch.Tensor]:
+def _gather(opt: ShardedOptimizer, group: str, size: int, flat: torch.Tensor) -> list[torch.Tensor]:
     if size == 1:
         return [flat.detach().cpu()]
     parts = [torch.empty_like(flat) for _ in range(size)]
@@ -99,7 +101,7 @@ def _gather(opt: Any, group: str, size: int, flat: torch.Tensor) -> list[torch.T
     return [p.cpu() for p in parts]
 
 
-def _gather_scalars(opt: Any, group: str, size: int, mine: dict[str, Any],
+def _gather_scalars(opt: ShardedOptimizer, group: str, size: int, mine: dict[str, Any],
                     stepped: set[str]) -> tuple[dict[str, Any], set[str]]:
     """Every parameter's scalar state, and which were stepped: each rank knows those of
     the parameters it has runs of."""
@@ -115,7 +117,7 @@ def _copy(v: Any) -> Any:
     return v.detach().clone() if isinstance(v, torch.Tensor) else v
 
 
-def expert_view(opt: Any, place: RankPlace) -> tuple[str | None, bool]:
+def expert_view(opt: ShardedOptimizer, place: RankPlace) -> tuple[str | None, bool]:
     """(sub-directory of this rank's module, or None without experts; whether it writes)."""
     experts = [g for g in opt.plan.groups if g.expert_parallel_size > 1]
     if not experts:
@@ -126,7 +128,7 @@ def expert_view(opt: Any, place: RankPlace) -> tuple[str | None, bool]:
     return label, place.rank < math.lcm(*(g.expert_parallel_size for g in experts))
 
 
-def export_consolidated(opt: Any, path: str | os.PathLike) -> Path:
+def export_consolidated(opt: ShardedOptimizer, path: str | os.PathLike) -> Path:
     """Write the plain-PyTorch files (see the module docstring); a collective."""
     place = RankPlace.of(opt)
     root = Path(path)
@@ -149,7 +151,7 @@ def export_consolidated(opt: Any, path: str | os.PathLike) -> Path:
     return root
 
 
-def import_consolidated(opt: Any, path: str | os.PathLike, optimizer_state: bool = True) -> None:
+def import_consolidated(opt: ShardedOptimizer, path: str | os.PathLike, optimizer_state: bool = True) -> None:
     """Load files written by `export_consolidated` (or by hand in the same layout)."""
     place = RankPlace.of(opt)
     label, _ = expert_view(opt, place)
@@ -177,57 +179,72 @@ def import_consolidated(opt: Any, path: str | os.PathLike, optimizer_state: bool
     load_consolidated_state_dict(opt, *loaded)
 
 
-def load_consolidated_state_dict(opt: Any, model: dict[str, torch.Tensor],
+def load_consolidated_state_dict(opt: ShardedOptimizer, model: dict[str, torch.Tensor],
                                  optimizer: dict[str, Any] | None = None) -> None:
     """Set masters, optimizer state and model from whole-model state dicts; a collective.
 
     Without `optimizer` the optimizer state is cleared (a fresh start from the weights).
     """
     place = RankPlace.of(opt)
-    staged, err = attempt(lambda: _stage(opt, place, model, optimizer))
+    staged, err = attempt(lambda: stage(opt, place, ConsolidatedSource(opt, model, optimizer)))
     agree(place, err, "importing a consolidated state dict")
     apply(opt, staged)
 
 
-def _stage(opt: Any, place: RankPlace, model: dict[str, torch.Tensor],
-           optimizer: dict[str, Any] | None) -> StagedState:
-    named = trainable_names(opt)
-    for name, p in named.items():
-        t = model.get(name)
-        if t is None:
-            raise CheckpointError(f"model state dict has no parameter {name!r}; it is from a "
-                                  f"different model")
-        if tuple(t.shape) != tuple(p.shape):
-            raise CheckpointError(f"parameter {name!r} has shape {list(t.shape)} in the state "
-                                  f"dict but {list(p.shape)} here")
-    extras = {}
-    for name, t in extra_tensors(opt).items():
-        if name not in model or tuple(model[name].shape) != tuple(t.shape):
-            raise CheckpointError(f"model state dict lacks {name!r} of shape {list(t.shape)} "
-                                  f"(buffer or frozen parameter)")
-        extras[name] = model[name]
-    by_name = _state_by_name(opt, optimizer) if optimizer is not None else None
-    staged = StagedState({}, {}, {}, {}, extras, None, None)
-    for g in opt.plan.groups:
-        gp = group_place(opt, place, g.name)
-        ranges = opt.plan.shard_ranges(g.name, gp.local_rank)
-        numel = opt.plan.shard_numel(g.name)
-        staged.masters[g.name] = fill_shard(ranges, numel, lambda n: model[n].float())
-        names = [s.name for b in opt.plan.group_layouts(g.name) for s in b.params]
-        hyper = dict(opt.shard_state(g.name)["hyperparameters"])
-        states, scalars = {}, {}
-        if by_name is not None:
-            shapes = {n: tuple(named[n].shape) for n in names}
-            states, scalars, hyper = _group_from(by_name, names, shapes, g.name, hyper, ranges,
-                                                 numel)
-        staged.states[g.name], staged.param_scalars[g.name] = states, scalars
-        staged.stepped[g.name] = ({n for n in names if by_name["state"].get(n)}
-                                  if by_name is not None else set())
-        staged.hyperparameters[g.name] = hyper
-    return staged
+class ConsolidatedSource:
+    """Whole-model state dicts as a `staging.ShardSource`: each rank cuts its shards out
+    of the whole parameters (and, by name, of the optimizer state)."""
+
+    where = "consolidated state dict"
+
+    def __init__(self, opt: ShardedOptimizer, model: Mapping[str, torch.Tensor],
+                 optimizer: dict[str, Any] | None) -> None:
+        named = trainable_names(opt)
+        for name, p in named.items():
+            t = model.get(name)
+            if t is None:
+                raise CheckpointError(f"model state dict has no parameter {name!r}; it is from a "
+                                      f"different model")
+            if tuple(t.shape) != tuple(p.shape):
+                raise CheckpointError(f"parameter {name!r} has shape {list(t.shape)} in the state "
+                                      f"dict but {list(p.shape)} here")
+        self._extras = {}
+        for name, t in extra_tensors(opt).items():
+            if name not in model or tuple(model[name].shape) != tuple(t.shape):
+                raise CheckpointError(f"model state dict lacks {name!r} of shape {list(t.shape)} "
+                                      f"(buffer or frozen parameter)")
+            self._extras[name] = model[name]
+        self._opt = opt
+        self._model = model
+        self._shapes = {n: tuple(p.shape) for n, p in named.items()}
+        self._by_name = _state_by_name(opt, optimizer) if optimizer is not None else None
+
+    def group(self, target: ShardTarget) -> StagedGroup:
+        names = group_params(self._opt, target.group)
+        hyper = dict(self._opt.shard_state(target.group)["hyperparameters"])
+        masters = fill_shard(target.ranges, target.shard_numel,
+                             lambda n: self._model[n].float())
+        if self._by_name is None:
+            # Without optimizer state: a fresh start from the weights.
+            return StagedGroup(flats={MASTER: masters}, param_scalars={n: {} for n in names},
+                               stepped=frozenset(), hyperparameters=hyper)
+        states, scalars, hyper = _group_from(self._by_name, names, self._shapes, target.group,
+                                             hyper, target.ranges, target.shard_numel)
+        stepped = frozenset(n for n in names if self._by_name["state"].get(n))
+        return StagedGroup(flats={MASTER: masters, **states}, param_scalars=scalars,
+                           stepped=stepped, hyperparameters=hyper)
+
+    def model_extras(self) -> Mapping[str, torch.Tensor]:
+        return self._extras
+
+    def loss_scaler(self) -> None:
+        return None
+
+    def step_count(self) -> None:
+        return None
 
 
-def _state_by_name(opt: Any, sd: dict[str, Any]) -> dict[str, Any]:
+def _state_by_name(opt: ShardedOptimizer, sd: dict[str, Any]) -> dict[str, Any]:
     """The optimizer state dict with positions replaced by parameter names."""
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise CheckpointError("optimizer state dict must have 'state' and 'param_groups'")

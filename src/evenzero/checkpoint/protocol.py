@@ -3,7 +3,9 @@
 The checkpoint package and the runtime do not import each other. `ZeroOptimizer`
 satisfies `ShardedOptimizer` structurally (as torchtitan's components satisfy its
 `Stateful` protocol), and exchanges plain dicts shaped like `GroupShard`; anything
-else that offers the same members can be checkpointed the same way.
+else that offers the same members can be checkpointed the same way (the offline
+DeepSpeed converter's `evenzero.checkpoint.deepspeed.offline.OfflineRun` does). Every
+checkpoint entry point takes a `ShardedOptimizer` and uses only what is named here.
 
 What a checkpoint reads, per plan group, on each rank (`shard_state`):
 
@@ -20,9 +22,14 @@ What a checkpoint reads, per plan group, on each rank (`shard_state`):
   them as for parameters never stepped, yet its next step differs (torch starts the
   momentum from the gradient only the first time).
 
-What a load writes back (`load_shard_state`): the same three per group, resharded to
-this rank's ranges, plus the step counter and the loss scaler's state; the optimizer
-then re-gathers the model's parameters from the masters.
+What a load writes back (`load_shard_state`): the same per group, resharded to this
+rank's ranges, plus the step counter and the loss scaler's state; the optimizer then
+re-gathers the model's parameters from the masters.
+
+Beyond the shards: the model (`module`: buffers and frozen parameters are saved whole),
+the options the optimizer class defines (`defaults`, checked present in a checkpoint),
+where the ranks agree (`world_group`, `control_device`) and the loss scaler
+(`loss_scaler`, read when a DeepSpeed loss scale is carried over).
 """
 
 from __future__ import annotations
@@ -48,6 +55,52 @@ class GroupShard(TypedDict):
     """Parameters (with elements in this shard) stepped at least once."""
 
 
+class ScaleSchedule(Protocol):
+    """How a dynamic loss scale moves (evenzero's `LossScaleConfig`)."""
+
+    growth_interval: int
+    """Good steps in a row before the scale grows."""
+    growth_factor: float
+    backoff_factor: float
+    min_scale: float
+
+
+class LossScaling(Protocol):
+    """evenzero's loss scaler (`evenzero.runtime.precision.LossScaler`), as far as a
+    DeepSpeed loss scale is mapped onto it."""
+
+    enabled: bool
+    """False: the loss is not scaled (bf16 / fp32 runs)."""
+    dynamic: bool
+    scale: float
+    config: ScaleSchedule
+
+    def state_dict(self) -> dict[str, Any]:
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ...
+
+
+@runtime_checkable
+class DeepSpeedScaling(Protocol):
+    """A loss scaler that follows DeepSpeed's own update rule (the one the
+    `evenzero.deepspeed` engine installs): it takes a saved DeepSpeed scaler's fields as
+    they are, hysteresis included, instead of evenzero's mapping."""
+
+    enabled: bool
+
+    def state_from_deepspeed(self, saved: Mapping[str, Any]) -> dict[str, Any]:
+        """This scaler's state dict continuing DeepSpeed's saved scaler `saved`."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ...
+
+
 @runtime_checkable
 class ShardedOptimizer(Protocol):
     """An optimizer whose master weights and state are sharded over data-parallel ranks."""
@@ -55,9 +108,20 @@ class ShardedOptimizer(Protocol):
     plan: Plan
     """The executed plan: groups, layouts and which rank owns which runs."""
     world_group: Any
-    """The data-parallel world process group."""
+    """The data-parallel world process group (None: no process group, one rank)."""
     step_count: int
     """Steps taken (skipped fp16 overflow steps excluded)."""
+    defaults: Mapping[str, Any]
+    """The optimizer class's options with this run's defaults (torch's
+    `Optimizer.defaults`); a checkpoint must hold every one of these keys per group."""
+    loss_scaler: LossScaling | DeepSpeedScaling | None
+    """The loss scaler (None: none at all, as a disabled one)."""
+
+    @property
+    def control_device(self) -> torch.device:
+        """Where the small tensors of agreement collectives over `world_group` live (the
+        CUDA device under NCCL, else the CPU)."""
+        ...
 
     @property
     def module(self) -> torch.nn.Module:

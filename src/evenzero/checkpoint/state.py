@@ -1,17 +1,18 @@
-"""What a checkpoint takes from, and puts back into, a running optimizer.
+"""What a checkpoint reads from a running optimizer: this rank's place, its shards, its model.
 
-This is the only checkpoint module that talks to the optimizer, and only through
-`evenzero.checkpoint.protocol.ShardedOptimizer` (which `ZeroOptimizer` implements): per
-plan group, this rank's flat shards (fp32 masters and elementwise state), each
-parameter's scalar state and the group's hyperparameters; the model through `module`.
-Everything a load will write is first staged in a `StagedState`, so a load either
-changes the whole state or nothing.
+The checkpoint package reaches the optimizer only through
+`evenzero.checkpoint.protocol.ShardedOptimizer` (which `ZeroOptimizer` implements), and
+these are the readers its parts share: where this rank sits among the ranks
+(`RankPlace`) and in each plan group (`ShardTarget`), per plan group this rank's flat
+shards (fp32 masters and elementwise state), each parameter's scalar state and the
+group's hyperparameters, and the model through `module` (its trained parameters by
+name, and the buffers and frozen parameters a checkpoint stores whole).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from evenzero.checkpoint.compat import LocalModel, LocalParam
 from evenzero.checkpoint.format import MASTER, CheckpointError, StoredTensor, storage_name
 from evenzero.checkpoint.protocol import ShardedOptimizer
+from evenzero.plan import ShardRange
 from evenzero.spec import dtype_name
 
 
@@ -33,7 +35,9 @@ class RankPlace:
     device: torch.device
     """Where small agreement tensors live (the optimizer's `control_device`)."""
     group: Any
-    """The optimizer's data-parallel world process group (None without torch.distributed)."""
+    """The process group the ranks agree over: the optimizer's data-parallel world (a
+    background save's own group, `evenzero.checkpoint.background`); None without
+    torch.distributed."""
     ep_ranks: Mapping[str, int]
     """Plan group -> which copy of the group's parameters this rank holds: the index of
     its (expert-)data-parallel process group among all of them, ordered by lowest rank.
@@ -41,11 +45,12 @@ class RankPlace:
     it stays the same when the data-parallel size changes."""
 
     @staticmethod
-    def of(opt: Any) -> RankPlace:
+    def of(opt: ShardedOptimizer) -> RankPlace:
+        """This rank's place; a collective over the optimizer's world."""
         if not (dist.is_available() and dist.is_initialized()):
             return RankPlace._check(opt, RankPlace(0, 1, torch.device("cpu"), None,
                                                    {g.name: 0 for g in opt.plan.groups}))
-        world = _world_group(opt)
+        world = opt.world_group
         # The optimizer's own, so checkpoints agree on the device the optimizer uses.
         device = opt.control_device
         rank, size = dist.get_rank(world), dist.get_world_size(world)
@@ -53,19 +58,15 @@ class RankPlace:
         return RankPlace(rank, size, device, world, _ep_ranks(opt, world, size, device))
 
     @staticmethod
-    def _check(opt: Any, place: RankPlace) -> RankPlace:
+    def _check(opt: ShardedOptimizer, place: RankPlace) -> RankPlace:
         if place.world_size != opt.plan.world_size:
             raise CheckpointError(f"the optimizer was planned for {opt.plan.world_size} ranks but "
                                   f"its process group has {place.world_size}")
         return place
 
 
-def _world_group(opt: Any) -> Any:
-    """The optimizer's data-parallel world (None: the default group)."""
-    return getattr(opt, "world_group", None)
-
-
-def _ep_ranks(opt: Any, world: Any, size: int, device: torch.device) -> dict[str, int]:
+def _ep_ranks(opt: ShardedOptimizer, world: Any, size: int,
+              device: torch.device) -> dict[str, int]:
     """One all-gather of each group's lowest member; a collective over the world."""
     groups = opt.plan.groups
     lowest = []
@@ -92,22 +93,36 @@ def _ep_ranks(opt: Any, world: Any, size: int, device: torch.device) -> dict[str
 
 
 @dataclass(frozen=True)
-class GroupPlace:
-    """This rank's coordinates in one plan group."""
+class ShardTarget:
+    """This rank's shard of one plan group: the runs a stage fills or a save writes."""
 
+    group: str
+    ranges: tuple[ShardRange, ...]
+    """The runs of parameters in this rank's flat shard (`plan.shard_ranges`)."""
+    shard_numel: int
+    """Elements of the flat shard, padding included."""
     local_rank: int
     """Rank inside the group's (expert-)data-parallel process group."""
     ep_rank: int
     """Which copy of the group's parameters this rank holds (0 for dense groups)."""
     expert_parallel_size: int
 
-    def storage(self) -> Callable[[str], str]:
-        return lambda name: storage_name(name, self.expert_parallel_size, self.ep_rank)
+    @property
+    def params(self) -> tuple[str, ...]:
+        """Parameters with elements in this shard, in shard order."""
+        return tuple(dict.fromkeys(r.param for r in self.ranges))
+
+    def storage(self, param: str) -> str:
+        """The name `param`'s runs are stored under (`format.storage_name`)."""
+        return storage_name(param, self.expert_parallel_size, self.ep_rank)
 
 
-def group_place(opt: Any, place: RankPlace, group: str) -> GroupPlace:
-    e = opt.plan.group(group).expert_parallel_size
-    return GroupPlace(int(opt.group_rank(group)), place.ep_ranks[group], e)
+def shard_target(opt: ShardedOptimizer, place: RankPlace, group: str) -> ShardTarget:
+    local = int(opt.group_rank(group))
+    return ShardTarget(group=group, ranges=tuple(opt.plan.shard_ranges(group, local)),
+                       shard_numel=opt.plan.shard_numel(group), local_rank=local,
+                       ep_rank=place.ep_ranks[group],
+                       expert_parallel_size=opt.plan.group(group).expert_parallel_size)
 
 
 def optimizer_class(opt: ShardedOptimizer) -> str:
@@ -119,7 +134,7 @@ def optimizer_class(opt: ShardedOptimizer) -> str:
 def group_state(opt: ShardedOptimizer, group: str) -> tuple[dict[str, torch.Tensor],
                                                            dict[str, Any], dict[str, Any]]:
     """(shard-shaped tensors incl. the master, per-parameter scalar state,
-    hyperparameters) of a plan group on this rank."""
+    hyperparameters) of a plan group on this rank; the tensors are the live ones."""
     shard = opt.shard_state(group)
     flats = dict(shard["flats"])
     for key, value in flats.items():
@@ -138,13 +153,18 @@ def stepped_params(opt: ShardedOptimizer, group: str) -> set[str]:
     return {n for n, s in shard["param_scalars"].items() if s}
 
 
-def trainable_names(opt: Any) -> dict[str, torch.nn.Parameter]:
+def trainable_names(opt: ShardedOptimizer) -> dict[str, torch.nn.Parameter]:
     """Plan parameters by name, as the module holds them."""
     named = dict(opt.module.named_parameters())
     return {s.name: named[s.name] for b in opt.plan.layouts for s in b.params}
 
 
-def extra_tensors(opt: Any) -> dict[str, torch.Tensor]:
+def group_params(opt: ShardedOptimizer, group: str) -> list[str]:
+    """Every parameter of plan group `group` (on all ranks), in layout order."""
+    return [s.name for b in opt.plan.group_layouts(group) for s in b.params]
+
+
+def extra_tensors(opt: ShardedOptimizer) -> dict[str, torch.Tensor]:
     """Model state that evenzero does not train: buffers, frozen and empty parameters.
 
     Aliases of trained parameters (tied weights) are left out; they are restored with
@@ -156,60 +176,20 @@ def extra_tensors(opt: Any) -> dict[str, torch.Tensor]:
             if isinstance(t, torch.Tensor) and n not in aliases}
 
 
-def local_model(opt: Any, place: RankPlace) -> LocalModel:
+def local_params(opt: ShardedOptimizer) -> dict[str, LocalParam]:
+    """Every trained parameter as this rank's model holds it (name, group, shape, dtype)."""
     named = trainable_names(opt)
-    params = []
+    return {s.name: LocalParam(s.name, b.group, tuple(named[s.name].shape),
+                               dtype_name(named[s.name].dtype))
+            for b in opt.plan.layouts for s in b.params}
+
+
+def local_model(opt: ShardedOptimizer, place: RankPlace) -> LocalModel:
     ep_size, hyper = {}, {}
     for g in opt.plan.groups:
         ep_size[g.name] = g.expert_parallel_size
         hyper[g.name] = dict(opt.shard_state(g.name)["hyperparameters"])
-    for b in opt.plan.layouts:
-        for s in b.params:
-            p = named[s.name]
-            params.append(LocalParam(s.name, b.group, tuple(p.shape), dtype_name(p.dtype)))
     extras = tuple(StoredTensor(n, tuple(t.shape), dtype_name(t.dtype))
                    for n, t in extra_tensors(opt).items())
-    return LocalModel(tuple(params), ep_size, place.ep_ranks, optimizer_class(opt),
-                      frozenset(opt.defaults), hyper, extras)
-
-
-@dataclass
-class StagedState:
-    """Everything a load writes, read and checked in full before anything is written."""
-
-    masters: dict[str, torch.Tensor]
-    """Plan group -> new flat fp32 master shard (zeros in padding)."""
-    states: dict[str, dict[str, torch.Tensor]]
-    """Plan group -> shard-shaped optimizer state by key."""
-    param_scalars: dict[str, dict[str, dict[str, Any]]]
-    """Plan group -> parameter (with runs on this rank) -> its scalar optimizer state
-    (its own `step`, ...; {} if never stepped), decoded."""
-    hyperparameters: dict[str, dict[str, Any]]
-    """Plan group -> torch param-group options (lr, betas, ...), decoded."""
-    extras: Mapping[str, torch.Tensor]
-    """Buffers and frozen parameters by state-dict name."""
-    loss_scaler: Any
-    """Loss-scaler state dict, or None to leave the scaler as it is."""
-    step_count: int | None
-    """New optimizer step counter, or None to leave it."""
-    stepped: dict[str, set[str]] = field(default_factory=dict)
-    """Plan group -> parameters stepped at least once (default: those with scalar
-    state)."""
-
-
-def apply(opt: ShardedOptimizer, staged: StagedState) -> None:
-    """Write a staged state into the optimizer and model; cannot fail half-way on input.
-    Saved hyperparameters win, keys only the running groups hold (a scheduler's
-    `initial_lr`) are kept; saved optimizer state replaces the running state whole."""
-    with torch.no_grad():
-        if staged.extras:
-            current = extra_tensors(opt)
-            for name, value in staged.extras.items():
-                current[name].copy_(value)
-    shards = {g.name: {"flats": {MASTER: staged.masters[g.name], **staged.states[g.name]},
-                       "param_scalars": staged.param_scalars[g.name],
-                       "hyperparameters": staged.hyperparameters[g.name],
-                       "stepped": sorted(staged.stepped.get(g.name, {
-                           n for n, s in staged.param_scalars[g.name].items() if s}))}
-              for g in opt.plan.groups}
-    opt.load_shard_state(shards, staged.step_count, staged.loss_scaler)
+    return LocalModel(tuple(local_params(opt).values()), ep_size, place.ep_ranks,
+                      optimizer_class(opt), frozenset(opt.defaults), hyper, extras)

@@ -17,6 +17,8 @@ mappings as plain dicts; tensors on the CPU (as `torch.get_rng_state()` and
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +38,20 @@ def user_state_file(rank: int) -> str:
     return f"user-state-rank-{rank:05d}.safetensors"
 
 
-def write_user_state(directory: Path, rank: int, extra: Any) -> FileRecord:
-    """Write this rank's `extra` into `directory`; errors name the offending entry."""
+@dataclass(frozen=True)
+class EncodedUserState:
+    """One rank's `extra`, ready to write: its tensors and its JSON structure."""
+
+    tensors: Mapping[str, torch.Tensor]
+    """Tensor "0", "1", ... in tree order."""
+    tree: str
+    """The structure as JSON (`evenzero.checkpoint.values`), tensors by key."""
+
+
+def encode_user_state(extra: Any, copy_tensors: bool = False) -> EncodedUserState:
+    """Encode `extra`; errors name the offending entry. `copy_tensors`: keep CPU copies,
+    not the tensors passed, so later changes to them do not reach the file (a
+    background save)."""
     tensors: dict[str, torch.Tensor] = {}
 
     def keep(t: torch.Tensor, where: str) -> str:
@@ -45,7 +59,7 @@ def write_user_state(directory: Path, rank: int, extra: Any) -> FileRecord:
             raise CheckpointError(f"{where}: a {t.layout} tensor cannot be stored in a checkpoint; "
                                   f"store a dense tensor (t.to_dense())")
         key = str(len(tensors))
-        tensors[key] = t.detach()
+        tensors[key] = t.detach().to("cpu", copy=True) if copy_tensors else t.detach()
         return key
 
     text = json.dumps(encode_value(extra, "extra", keep))
@@ -53,8 +67,18 @@ def write_user_state(directory: Path, rank: int, extra: Any) -> FileRecord:
         raise CheckpointError(f"extra: its structure is {len(text) / 2**20:.0f} MiB of JSON "
                               f"(safetensors headers hold up to {MAX_TREE_BYTES >> 20} MiB); "
                               f"store large lists as tensors (torch.tensor(values))")
-    return checkpoint_io.write_file(directory / user_state_file(rank), tensors, rank,
-                                    {TREE_KEY: text})
+    return EncodedUserState(tensors, text)
+
+
+def write_encoded_user_state(directory: Path, rank: int, user: EncodedUserState) -> FileRecord:
+    """Write an encoded `extra` as this rank's user-state file in `directory`."""
+    return checkpoint_io.write_file(directory / user_state_file(rank), user.tensors, rank,
+                                    {TREE_KEY: user.tree})
+
+
+def write_user_state(directory: Path, rank: int, extra: Any) -> FileRecord:
+    """Write this rank's `extra` into `directory`; errors name the offending entry."""
+    return write_encoded_user_state(directory, rank, encode_user_state(extra))
 
 
 def read_user_state(directory: Path, manifest: Manifest, rank: int) -> Any:

@@ -138,7 +138,7 @@ def load_deepspeed_checkpoint(engine: Any, load_dir: str, tag: str, load_optimiz
     moments and step, loss scale, scheduler, counters and client_state, read safely by
     `evenzero.checkpoint.load_deepspeed` (nothing of the run is touched if it fails)."""
     from evenzero import checkpoint
-    from evenzero.checkpoint.deepspeed_files import MODEL_STATES
+    from evenzero.checkpoint.deepspeed.reader import MODEL_STATES
 
     ckpt = checkpoint.load_deepspeed(
         engine.zero, load_dir, tag, load_optimizer_states=load_optimizer_states,

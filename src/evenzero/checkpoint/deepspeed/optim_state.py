@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from evenzero.checkpoint.deepspeed_flat import FlatGroup, same_value
+from evenzero.checkpoint.deepspeed.reader import FlatGroup, same_value
 from evenzero.checkpoint.format import MASTER, CheckpointError
+from evenzero.checkpoint.protocol import DeepSpeedScaling, LossScaling
 
 IMPLEMENTATION_OPTIONS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 """Param-group options that choose an implementation, not the math: kept as this run has
@@ -132,16 +133,16 @@ def _like(value: Any, example: Any) -> Any:
 # --------------------------------------------------------------------------- loss scale
 
 
-def loss_scaler_state(saved: Mapping[str, Any] | None, scaler: Any, skipped_steps: int,
+def loss_scaler_state(saved: Mapping[str, Any] | None,
+                      scaler: LossScaling | DeepSpeedScaling | None, skipped_steps: int,
                       where: str) -> dict[str, Any] | None:
     """evenzero `LossScaler` state equivalent to DeepSpeed's; None to leave it alone."""
     if saved is None or scaler is None or not scaler.enabled:
         return None  # this run does not scale the loss (bf16/fp32): nothing to carry over
-    convert = getattr(scaler, "state_from_deepspeed", None)
-    if convert is not None:
+    if isinstance(scaler, DeepSpeedScaling):
         # A scaler with DeepSpeed's own update rule (evenzero.deepspeed's engine) takes
         # the saved fields as they are, hysteresis included.
-        state = convert(saved)
+        state = scaler.state_from_deepspeed(saved)
         try:
             copy.deepcopy(scaler).load_state_dict(state)
         except (KeyError, TypeError, ValueError) as e:

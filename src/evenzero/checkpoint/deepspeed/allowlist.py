@@ -1,4 +1,4 @@
-"""Reading DeepSpeed's pickled checkpoint files without running code from them.
+"""The pickle allow-list: DeepSpeed's checkpoint files read without running code from them.
 
 DeepSpeed writes `torch.save` pickles and loads them with `weights_only=False`
 (deepspeed/runtime/checkpoint_engine/torch_checkpoint_engine.py:37 @ v0.19.8), which

@@ -6,8 +6,10 @@
 
 DeepSpeed itself refuses to load ZeRO optimizer state at another data-parallel size
 (deepspeed/runtime/engine.py:4749 @ v0.19.8). Here every rank cuts its evenzero shard
-out of DeepSpeed's flat partitions by parameter name (`deepspeed_files.FlatGroup`), so
-the saved size does not matter. What comes over, and from where:
+out of DeepSpeed's flat partitions by parameter name (`reader.FlatGroup`), so the saved
+size does not matter: `DeepSpeedSource` is the `evenzero.checkpoint.staging.ShardSource`
+over a read checkpoint, which `load_deepspeed` and the offline converter
+(`evenzero.checkpoint.deepspeed.offline`) stage through the one `stage()`. What comes over, and from where:
 
 * fp32 masters and per-element optimizer state: the optimizer files, padding removed;
 * scalar optimizer state (`step`) and the inner param-group options (lr, betas, eps,
@@ -34,22 +36,22 @@ from typing import Any
 import torch
 
 from evenzero.checkpoint.agree import agree, attempt
-from evenzero.checkpoint.deepspeed_files import (
+from evenzero.checkpoint.deepspeed.optim_state import loss_scaler_state, optimizer_values
+from evenzero.checkpoint.deepspeed.reader import (
     MOE_FIX,
     DeepSpeedFiles,
-    is_deepspeed_checkpoint,
+    FlatGroup,
     read_deepspeed,
 )
-from evenzero.checkpoint.deepspeed_flat import FlatGroup
-from evenzero.checkpoint.deepspeed_optim import loss_scaler_state, optimizer_values
 from evenzero.checkpoint.format import MASTER, CheckpointError
+from evenzero.checkpoint.protocol import ShardedOptimizer
 from evenzero.checkpoint.reshard import fill_shard
+from evenzero.checkpoint.staging import StagedGroup, StagedState, apply, stage
 from evenzero.checkpoint.state import (
     RankPlace,
-    StagedState,
-    apply,
+    ShardTarget,
     extra_tensors,
-    group_place,
+    group_params,
     group_state,
     stepped_params,
     trainable_names,
@@ -89,7 +91,7 @@ class DeepSpeedCheckpoint:
     """Data-parallel ranks that wrote it."""
 
 
-def load_deepspeed(opt: Any, directory: str | os.PathLike, tag: str | None = None, *,
+def load_deepspeed(opt: ShardedOptimizer, directory: str | os.PathLike, tag: str | None = None, *,
                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                    load_module_only: bool = False, load_module_strict: bool = True,
                    lr_scheduler: Any = None, allow: Sequence[Any] = ()) -> DeepSpeedCheckpoint:
@@ -113,15 +115,15 @@ def load_deepspeed(opt: Any, directory: str | os.PathLike, tag: str | None = Non
     load_scheduler = (lr_scheduler is not None and load_lr_scheduler_states
                       and not load_module_only)
 
-    def stage() -> tuple[DeepSpeedFiles, StagedState, Any]:
+    def read() -> tuple[DeepSpeedFiles, StagedState, Any]:
         files = read_deepspeed(directory, tag, optimizer_states=read_optimizer, allow=allow)
-        staged = stage_deepspeed(opt, place, files, read_optimizer, load_module_strict)
-        if load_module_only:
-            staged.step_count = None
+        source = DeepSpeedSource(opt, files, optimizer_states=read_optimizer,
+                                 strict=load_module_strict, counters=not load_module_only)
+        staged = stage(opt, place, source)
         scheduler = _scheduler_state(files, lr_scheduler) if load_scheduler else None
         return files, staged, scheduler
 
-    result, err = attempt(stage)
+    result, err = attempt(read)
     agree(place, err, f"loading DeepSpeed checkpoint {directory}",
           same=int(result[0].states.get("global_steps") or 0) if result else -1)
     files, staged, scheduler = result
@@ -152,56 +154,73 @@ def _summary(files: DeepSpeedFiles, optimizer: bool, scheduler: bool,
 # --------------------------------------------------------------------------- staging
 
 
-def stage_deepspeed(opt: Any, place: RankPlace, files: DeepSpeedFiles, optimizer_states: bool,
-                    strict: bool = True) -> StagedState:
-    """Everything a load writes into `opt` (this rank's shards), read and checked; no
-    collective. Without `optimizer_states` the masters come from the saved weights."""
-    named = trainable_names(opt)
-    check_model(files, {n: tuple(p.shape) for n, p in named.items()},
-                {n: tuple(t.shape) for n, t in extra_tensors(opt).items()},
-                set(opt.module.state_dict()), strict)
-    experts = [g.name for g in opt.plan.groups if g.expert_parallel_size > 1]
-    if experts:
-        raise CheckpointError(f"{files.path}: this optimizer has expert groups {experts} but "
-                              f"the DeepSpeed checkpoint has none; {MOE_FIX}")
-    holder = {name: g for g in files.groups for name, _ in g.params}
-    extras = {n: files.saved_tensor(n) for n in extra_tensors(opt)}
-    staged = StagedState({}, {}, {}, {}, {n: t for n, t in extras.items() if t is not None},
-                         None, int(files.states.get("global_steps") or 0)
-                         - int(files.states.get("skipped_steps") or 0))
-    for g in opt.plan.groups:
-        gp = group_place(opt, place, g.name)
-        ranges = opt.plan.shard_ranges(g.name, gp.local_rank)
-        numel = opt.plan.shard_numel(g.name)
-        names = [s.name for b in opt.plan.group_layouts(g.name) for s in b.params]
-        flats, param_scalars, hyper = group_state(opt, g.name)
-        if not optimizer_states:
-            # DeepSpeed's `_restore_from_bit16_weights`: masters from the model weights,
-            # optimizer state and options as they are.
-            staged.masters[g.name] = fill_shard(ranges, numel,
-                                                lambda param: files.module[param].float())
-            staged.states[g.name] = {k: v.clone() for k, v in flats.items() if k != MASTER}
-            staged.param_scalars[g.name] = copy.deepcopy(param_scalars)
-            staged.stepped[g.name] = stepped_params(opt, g.name)
-            staged.hyperparameters[g.name] = hyper
-            continue
-        sources = sorted({holder[n].index for n in names})
+class DeepSpeedSource:
+    """A read DeepSpeed checkpoint as a `staging.ShardSource` for `opt`'s shards.
+
+    Checks on construction that the checkpoint is of this model (`check_model`) and has
+    no expert groups. Without `optimizer_states` the masters come from the saved
+    weights and the optimizer keeps its state and options (DeepSpeed's
+    `_restore_from_bit16_weights`). `counters`: take the step counter (False for
+    `load_module_only`).
+    """
+
+    def __init__(self, opt: ShardedOptimizer, files: DeepSpeedFiles, *, optimizer_states: bool,
+                 strict: bool = True, counters: bool = True) -> None:
+        named = trainable_names(opt)
+        check_model(files, {n: tuple(p.shape) for n, p in named.items()},
+                    {n: tuple(t.shape) for n, t in extra_tensors(opt).items()},
+                    set(opt.module.state_dict()), strict)
+        experts = [g.name for g in opt.plan.groups if g.expert_parallel_size > 1]
+        if experts:
+            raise CheckpointError(f"{files.path}: this optimizer has expert groups {experts} but "
+                                  f"the DeepSpeed checkpoint has none; {MOE_FIX}")
+        self.where = str(files.path)
+        self._opt = opt
+        self._files = files
+        self._optimizer_states = optimizer_states
+        self._counters = counters
+        self._holder = {name: g for g in files.groups for name, _ in g.params}
+
+    def group(self, target: ShardTarget) -> StagedGroup:
+        files, opt = self._files, self._opt
+        flats, param_scalars, hyper = group_state(opt, target.group)
+        if not self._optimizer_states:
+            masters = fill_shard(target.ranges, target.shard_numel,
+                                 lambda param: files.module[param].float())
+            return StagedGroup(
+                flats={MASTER: masters, **{k: v.clone() for k, v in flats.items() if k != MASTER}},
+                param_scalars=copy.deepcopy(param_scalars),
+                stepped=frozenset(stepped_params(opt, target.group)), hyperparameters=hyper)
+        names = group_params(opt, target.group)
+        sources = sorted({self._holder[n].index for n in names})
         kinds, scalars, hyper = optimizer_values(
             [files.groups[i] for i in sources], opt.inner_optimizer_class, hyper,
-            files.states.get("ds_config"), f"{files.path} (group {g.name!r})")
-
-        staged.masters[g.name] = _shard(ranges, numel, holder, MASTER)
-        staged.states[g.name] = {k: _shard(ranges, numel, holder, k) for k in kinds}
+            files.states.get("ds_config"), f"{files.path} (group {target.group!r})")
+        flats = {k: _shard(target.ranges, target.shard_numel, self._holder, k)
+                 for k in (MASTER, *kinds)}
         # DeepSpeed steps each flat group whole, so every parameter in it has the group's
         # scalar state (its `step`); torch keeps one copy per parameter.
-        staged.param_scalars[g.name] = {r.param: copy.deepcopy(scalars) for r in ranges}
-        staged.stepped[g.name] = {r.param for r in ranges} if kinds or scalars else set()
-        staged.hyperparameters[g.name] = hyper
-    if optimizer_states:
-        staged.loss_scaler = loss_scaler_state(files.loss_scaler, getattr(opt, "loss_scaler", None),
-                                               int(files.states.get("skipped_steps") or 0),
-                                               str(files.path))
-    return staged
+        return StagedGroup(flats=flats,
+                           param_scalars={p: copy.deepcopy(scalars) for p in target.params},
+                           stepped=frozenset(target.params) if kinds or scalars else frozenset(),
+                           hyperparameters=hyper)
+
+    def model_extras(self) -> Mapping[str, torch.Tensor]:
+        extras = {n: self._files.saved_tensor(n) for n in extra_tensors(self._opt)}
+        return {n: t for n, t in extras.items() if t is not None}
+
+    def loss_scaler(self) -> Mapping[str, Any] | None:
+        if not self._optimizer_states:
+            return None
+        states = self._files.states
+        return loss_scaler_state(self._files.loss_scaler, self._opt.loss_scaler,
+                                 int(states.get("skipped_steps") or 0), self.where)
+
+    def step_count(self) -> int | None:
+        if not self._counters:
+            return None
+        states = self._files.states
+        return int(states.get("global_steps") or 0) - int(states.get("skipped_steps") or 0)
 
 
 def _shard(ranges: Sequence[ShardRange], numel: int, holder: Mapping[str, FlatGroup],
@@ -269,4 +288,4 @@ def _scheduler_state(files: DeepSpeedFiles, scheduler: Any) -> Mapping[str, Any]
     return saved
 
 
-__all__ = ["DeepSpeedCheckpoint", "is_deepspeed_checkpoint", "load_deepspeed"]
+__all__ = ["DeepSpeedCheckpoint", "DeepSpeedSource", "check_model", "load_deepspeed"]
