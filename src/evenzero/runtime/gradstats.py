@@ -33,7 +33,7 @@ from torch.profiler import record_function
 
 from evenzero.plan import STEP_CHECK_EXTRA, step_check
 from evenzero.runtime.checks import ZeroRuntimeError, check_presence
-from evenzero.runtime.collectives import TraceRecorder, all_reduce_sum
+from evenzero.runtime.collectives import LOCAL, TraceRecorder, all_reduce_sum
 
 NORM_ROW = 256
 """Elements per partial norm. A row's sum of squares is accumulated in fp32, in a few
@@ -172,7 +172,7 @@ class StepCheck:
             vec[n + 3] = float(micro_batches)
             vec[n + 4] = float(micro_batches) ** 2
             all_reduce_sum(vec, cfg.group)
-            self.trace.record(self.record, "all_reduce")
+            self.trace.record(self.record, LOCAL if w == 1 else "all_reduce")
             values = vec.tolist()
         problem_ranks = round(values[n + 2])
         counts = [round(v) for v in values[:n]]
