@@ -99,3 +99,37 @@ def test_each_pick_steps_a_flat_shard_like_the_single_tensor_loop(cls, dtype):
             opt.step()
         results.append(p.detach())
     torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Adam-amsgrad", "SGD-momentum", "SGD-nesterov",
+                                  "Adagrad", "RMSprop", "NAdam", "RAdam"])
+@pytest.mark.parametrize("world,rank,bucket", [(1, 0, 1000), (3, 1, 16)])
+def test_the_masked_step_runs_each_pick_like_torch_per_parameter(name, world, rank, bucket):
+    """Absent parameters, classes of different step counts and gathered copies of odd
+    classes (`runtime/maskedstep.py`) under the fused/foreach pick, against torch's
+    single-tensor loop on the separate parameters."""
+    from evenzero.runtime.maskedstep import MaskedStep
+    from evenzero.runtime.shardruns import ShardRuns
+    from test_runtime_maskedstep import OPTIMIZERS, PRESENCE, SHAPES, _gather, _plan
+
+    cls, kw = OPTIMIZERS[name]
+    pick = choose(cls, kw)
+    assert pick.chosen, "only the classes evenzero picks for are listed"
+    gen = torch.Generator().manual_seed(0)
+    init = {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
+    ref = {n: torch.nn.Parameter(v.clone()) for n, v in init.items()}
+    ref_opt = cls(list(ref.values()), **kw, foreach=False)
+    p = _plan(world, bucket)
+    ranges = p.shard_ranges("dense", rank)
+    master = torch.nn.Parameter(_gather(p, ranges, init))
+    stepper = MaskedStep(cls([master], **pick.kwargs), {"dense": master},
+                         {"dense": ShardRuns.of(p, "dense", rank)})
+    for step, present in enumerate(PRESENCE):
+        grads = {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
+        for n, prm in ref.items():
+            prm.grad = grads[n].clone() if n in present else None
+        ref_opt.step()
+        stepper.step({"dense": _gather(p, ranges, grads)}, present)
+        want = _gather(p, ranges, {n: v.detach() for n, v in ref.items()})
+        torch.testing.assert_close(master.detach(), want, rtol=1e-6, atol=1e-6,
+                                   msg=lambda m, s=step: f"step {s}: {m}")
