@@ -257,3 +257,35 @@ def test_a_group_of_one_accumulates_kept_gradients_and_overwrites_cleared_ones()
         expect = torch.zeros(n) if name == "p1" else (
             torch.full((n,), 3.0) if name == "p2" else want[off:off + n] + 3)
         torch.testing.assert_close(group.grad[off:off + n], expect, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bucketless_accumulation_equals_the_bucket_path(dtype):
+    """LocalSync.accumulate_grads (gradients straight into the fp32 shard) gives the
+    same bits as filling a bucket and accumulating it, for any parameter dtype, with a
+    loss scale and cleared, kept and missing gradients."""
+    spec = ModelSpec(tuple(ParamSpec(n, (4,), dtype=str(dtype).split(".")[1]) for n in NAMES))
+    p = plan(spec, 1, "evenzero", PlanOptions(bucket_numel=16, alignment_bytes=4))
+    route, = plan_routes(p, {"dense": 0})
+    n = p.shard_numel("dense")
+    group = GroupState("dense", None, 1, 0, dtype, dtype, torch.zeros(n), torch.zeros(n), {})
+    ex = LocalSync(route, group)
+    assert ex.bucketless
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(n, generator=gen)
+    # cleared with a gradient, kept with one, cleared without, kept without
+    grads = [torch.randn(4, generator=gen).to(dtype), torch.randn(4, generator=gen).to(dtype),
+             None, None]
+    cleared = [True, False, True, False]
+    direct = start.clone()
+    ex.accumulate_grads(grads, cleared, direct, 0.25)
+    bucket = torch.zeros(route.bucket.numel, dtype=dtype)
+    for s, g in zip(route.bucket.params, grads, strict=True):
+        if g is not None:
+            bucket[s.offset:s.offset + s.numel] = g
+    runs = ShardRuns.of(p, "dense", 0)
+    names = [s.name for s, c in zip(route.bucket.params, cleared, strict=True) if c]
+    via_bucket = start.clone()
+    ex.finish_grad_sync(None, bucket, via_bucket, 0.25, runs.of_params(names))
+    assert torch.equal(direct, via_bucket), (direct, via_bucket)
+    assert not torch.equal(direct, start)
