@@ -10,25 +10,29 @@ group, which every implementation handles alike, so when the user did not choose
 picks the one measured fastest for the shard's device and dtype (`FASTEST_ON_CPU`).
 
 Measured by this project on one CPU process, fp32 shards of 1M, 4M and 10M elements, one
-thread, median of 7 interleaved steps, on a shared 2-core machine (so +-30%; ms):
+thread, median of 7 interleaved steps, on a shared, heavily loaded 2-core machine (so
+only the large ratios count; ms):
 
-| optimizer          |  single-tensor (1M/4M/10M) |  foreach         |  fused          |
-|--------------------|----------------------------|------------------|-----------------|
-| AdamW (wd 0.01)    |  10 / 31 / 129             |  12 / 25 / 84    |  1.0 / 4.2 / 12 |
-| Adam               |  3.2 / 38 / 121            |  2.9 / 33 / 81   |  1.0 / 3.5 / 13 |
-| SGD (momentum 0.9) |  1.1 / 9.1 / 16            |  0.9 / 6.9 / 18  |  0.6 / 6.0 / 11 |
-| SGD                |  0.3 / 3.2 / 8.0           |  0.3 / 1.7 / 8.2 |  0.3 / 1.9 / 7.1|
-| Adagrad            |  1.7 / 20 / 137            |  4.1 / 39 / 223  |  0.7 / 5.9 / 14 |
-| RMSprop            |  5.7 / 23 / 167            |  2.0 / 20 / 161  |  -              |
-| NAdam              |  2.9 / 34 / 282            |  3.0 / 37 / 200  |  -              |
-| RAdam              |  13 / 172 / 451            |  5.9 / 44 / 143  |  -              |
-| Rprop              |  17 / 114 / -              |  11 / 106 / -    |  -              |
-| Adamax             |  2.2 / 28 / 135            |  2.3 / 28 / 135  |  -              |
-| Adadelta           |  4.1 / 109 / 225           |  4.0 / 99 / 222  |  -              |
-| ASGD               |  1.2 / 13 / -              |  2.1 / 16 / -    |  -              |
+| optimizer          |  single-tensor (1M/4M/10M) |  foreach          |  fused          |
+|--------------------|----------------------------|-------------------|-----------------|
+| AdamW (wd 0.01)    |  23 / 218 / 261            |  19 / 206 / 191   |  11 / 18 / 27   |
+| Adam               |  25 / 133 / 240            |  27 / 154 / 258   |  1.1 / 30 / 21  |
+| SGD (momentum 0.9) |  0.9 / 28 / 45             |  1.0 / 28 / 42    |  0.9 / 20 / 24  |
+| SGD                |  0.6 / 12 / 18             |  0.7 / 18 / 16    |  0.5 / 5.9 / 23 |
+| Adagrad            |  11 / 44 / 150             |  35 / 45 / 244    |  3.3 / 8.6 / 22 |
+| RMSprop            |  5.7 / 31 / 208            |  2.2 / 33 / 200   |  -              |
+| NAdam              |  33 / 83 / 287             |  22 / 75 / 207    |  -              |
+| RAdam              |  102 / 213 / 807           |  23 / 45 / 228    |  -              |
+| Rprop              |  67 / 178 / 906            |  54 / 159 / 834   |  -              |
+| Adamax             |  10 / 25 / 203             |  5.2 / 30 / 140   |  -              |
+| Adadelta           |  26 / 55 / 297             |  44 / 50 / 294    |  -              |
+| ASGD               |  9.9 / 16 / 51             |  1.9 / 31 / 300   |  -              |
 
-(`python3 benchmarks/optimizer_impls.py --sizes 1000000 4000000 10000000`; Rprop and ASGD
-at 10M did not finish within the run's time limit.)
+(`python3 benchmarks/optimizer_impls.py --sizes 1000000 4000000 10000000`; an earlier run
+of the same loop on a quieter moment of the machine ranked them alike, e.g. AdamW at 10M
+129 / 84 / 12 ms. Adamax, Adadelta and ASGD show no consistent winner and keep torch's
+default.)
+
 The fused and foreach kernels compute the same update in another order: results differ
 from the single-tensor loop by a few ulps (the equivalence tests hold at 1e-5 relative).
 
