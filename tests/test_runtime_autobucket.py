@@ -158,7 +158,23 @@ def check_state_dict_carries_the_size(rank, world):
     assert again.plan.bucket_numel == FORCED  # nothing refined after the load
 
 
+def check_user_rng_untouched(rank, world):
+    """Construction, training and the refinement's quick calibration draw nothing from
+    the user's random number generator (a job's data order and dropout depend on it)."""
+    from evenzero import ZeroOptimizer
+
+    torch.manual_seed(0)
+    model = MLP()
+    state = torch.get_rng_state()
+    opt = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    for step in range(3):
+        _train_step(model, opt, step, rank, world)
+    assert "refined at run time" in opt.plan.notes[-1], opt.plan.notes
+    assert torch.equal(torch.get_rng_state(), state), "the library drew from torch's global RNG"
+
+
 CHECKS = {
+    "user_rng": check_user_rng_untouched,
     "relayout_stage1": partial(check_relayout_trains_like_torch, stage=1),
     "relayout_stage2": partial(check_relayout_trains_like_torch, stage=2),
     "accumulate_stage1": partial(check_relayout_under_accumulation, stage=1),

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from evenzero.runtime.collectives import ReduceScatter, TraceRecorder
+from evenzero.runtime.executors import LocalSync, collective_executor_for, executor_for
 from evenzero.runtime.gradclear import ClearTracker
 from evenzero.runtime.reducer import GradientReducer, ReducerConfig, keeps_pool
 from evenzero.runtime.routes import plan_routes
@@ -49,9 +50,12 @@ class FakeReduceScatter(ReduceScatter):
         return output.to(sum_dtype)
 
 
-def make_reducer(max_in_flight: int = 2, stage: int = 2, keep_pool: bool = False):
+def make_reducer(max_in_flight: int = 2, stage: int = 2, keep_pool: bool = False,
+                 local: bool = False):
     """Four 4-element params on one rank, two per bucket: bucket 0 holds p3, p2 (the
-    assumed arrival order is reverse registration), bucket 1 holds p1, p0."""
+    assumed arrival order is reverse registration), bucket 1 holds p1, p0. The fake
+    reduce-scatter stands in for the other ranks, so the executors that issue
+    collectives run, not the group of one's local one (`local=True`: that one)."""
     spec = ModelSpec(tuple(ParamSpec(n, (4,)) for n in NAMES))
     p = plan(spec, 1, "evenzero", PlanOptions(bucket_numel=8, alignment_bytes=4))
     assert [[s.name for s in b.params] for b in p.buckets] == [["p3", "p2"], ["p1", "p0"]]
@@ -65,7 +69,8 @@ def make_reducer(max_in_flight: int = 2, stage: int = 2, keep_pool: bool = False
     reducer = GradientReducer(plan_routes(p, {"dense": 0}), params, {"dense": group},
                               ReducerConfig(stage, 1, max_in_flight, torch.device("cpu"), rs,
                                             keep_pool=keep_pool),
-                              trace, tracker, {"dense": ShardRuns.of(p, "dense", 0)})
+                              trace, tracker, {"dense": ShardRuns.of(p, "dense", 0)},
+                              make_executor=executor_for if local else collective_executor_for)
     return reducer, params, group, rs, trace, p
 
 
@@ -205,3 +210,82 @@ def test_cleared_gradients_overwrite_their_runs():
         (off, n), = runs.runs[name]
         want = torch.zeros(n) if name == "p1" else before[off:off + n]
         torch.testing.assert_close(group.grad[off:off + n], want, msg=name)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_group_of_one_issues_nothing_and_stage2_needs_no_bucket(stage):
+    reducer, params, group, rs, trace, p = make_reducer(stage=stage, local=True)
+    assert all(isinstance(ex, LocalSync) for ex in reducer.executors)
+    for step in range(2):
+        for name in NAMES:
+            give_grad(params, name)
+            reducer.grad_ready(name)
+        assert reducer.finish_grad_sync() == []
+        if step == 0:
+            first = group.grad.clone()
+    assert rs.log == [], "nothing issued"
+    assert {c.algorithm for c in trace.pending} == {"local"}
+    assert tuple(trace.pending) == p.backward() * 2
+    # The second backward replaced .grad (the user's assignment clears, as in torch).
+    torch.testing.assert_close(group.grad, first)
+    for r in p.shard_ranges("dense", 0):
+        want = {"p3": 0.0, "p1": 1.0}.get(r.param, 10.0 + NAMES.index(r.param))
+        torch.testing.assert_close(group.grad[r.shard_offset:r.shard_offset + r.numel],
+                                   torch.full((r.numel,), want))
+    if stage == 2:
+        assert reducer.pool.nbytes() == 0 and reducer.pool.arena_numel == {}
+
+
+def test_a_group_of_one_accumulates_kept_gradients_and_overwrites_cleared_ones():
+    reducer, params, group, _, _, _ = make_reducer(local=True)
+    for name in NAMES:
+        give_grad(params, name)
+        reducer.grad_ready(name)
+    reducer.finish_grad_sync()
+    before = group.grad.clone()
+    params["p1"].grad = None          # cleared, no new gradient: zeros
+    params["p2"].grad.zero_()         # cleared in place, new gradient: overwritten
+    for name in ("p0", "p2", "p3"):   # p0, p3 kept: a new gradient adds
+        q = params[name]
+        (q * 3).sum().backward()
+        reducer.clearing.accumulated(name)
+        reducer.grad_ready(name)
+    reducer.finish_grad_sync()
+    runs = reducer.runs["dense"].runs
+    for name, want in (("p0", before), ("p3", before), ("p1", None), ("p2", None)):
+        (off, n), = runs[name]
+        expect = torch.zeros(n) if name == "p1" else (
+            torch.full((n,), 3.0) if name == "p2" else want[off:off + n] + 3)
+        torch.testing.assert_close(group.grad[off:off + n], expect, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bucketless_accumulation_equals_the_bucket_path(dtype):
+    """LocalSync.accumulate_grads (gradients straight into the fp32 shard) gives the
+    same bits as filling a bucket and accumulating it, for any parameter dtype, with a
+    loss scale and cleared, kept and missing gradients."""
+    spec = ModelSpec(tuple(ParamSpec(n, (4,), dtype=str(dtype).split(".")[1]) for n in NAMES))
+    p = plan(spec, 1, "evenzero", PlanOptions(bucket_numel=16, alignment_bytes=4))
+    route, = plan_routes(p, {"dense": 0})
+    n = p.shard_numel("dense")
+    group = GroupState("dense", None, 1, 0, dtype, dtype, torch.zeros(n), torch.zeros(n), {})
+    ex = LocalSync(route, group)
+    assert ex.bucketless
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(n, generator=gen)
+    # cleared with a gradient, kept with one, cleared without, kept without
+    grads = [torch.randn(4, generator=gen).to(dtype), torch.randn(4, generator=gen).to(dtype),
+             None, None]
+    cleared = [True, False, True, False]
+    direct = start.clone()
+    ex.accumulate_grads(grads, cleared, direct, 0.25)
+    bucket = torch.zeros(route.bucket.numel, dtype=dtype)
+    for s, g in zip(route.bucket.params, grads, strict=True):
+        if g is not None:
+            bucket[s.offset:s.offset + s.numel] = g
+    runs = ShardRuns.of(p, "dense", 0)
+    names = [s.name for s, c in zip(route.bucket.params, cleared, strict=True) if c]
+    via_bucket = start.clone()
+    ex.finish_grad_sync(None, bucket, via_bucket, 0.25, runs.of_params(names))
+    assert torch.equal(direct, via_bucket), (direct, via_bucket)
+    assert not torch.equal(direct, start)

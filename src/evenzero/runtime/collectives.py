@@ -16,6 +16,12 @@ the only place that maps an algorithm name to code:
   result is the same sum, still one collective per bucket; the trace records which ran
   in `Collective.algorithm`. (Megatron-core has the same swap for fp32 accumulation:
   megatron/core/distributed/reduce_scatter_with_fp32_accumulation.py@d98e8a64.)
+
+A group of one rank communicates nothing: its reduce-scatter, all-reduce, all-gather and
+broadcast are the identity, so none of them is issued (not even to a backend that would
+return at once: gloo copies the whole message on a group of one, and a 1-rank run's
+all-gather and all_to_all of the whole model cost a fifth of its step). The trace still
+lists the planned call, with `LOCAL` as its algorithm.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from evenzero.runtime.teardown import keep
 NATIVE = "reduce_scatter_tensor"
 ALL_TO_ALL_SUM = "all_to_all+sum"
 ALL_GATHER = "all_gather_into_tensor"
+LOCAL = "local"
+"""The algorithm of a collective on a group of one rank: nothing is issued."""
 
 # torch 2.13 renamed the flat collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -50,6 +58,24 @@ def control_device(group: Any, param_device: torch.device | None) -> torch.devic
     if "nccl" in backend and (backend == "nccl" or on_cuda):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def alone(group: Any) -> bool:
+    """Whether `group` has a single rank (its collectives are the identity)."""
+    return dist.get_world_size(group) == 1
+
+
+class Done:
+    """The finished work of a collective that was not issued (a group of one)."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+DONE = Done()
 
 
 class Arena(Protocol):
@@ -201,22 +227,36 @@ class LayoutAllGather:
 
     name = ALL_GATHER
 
+    def algorithm_for(self, group_size: int) -> str:
+        """What the trace records for a gather on a group of `group_size` ranks."""
+        return LOCAL if group_size == 1 else self.name
+
     def __call__(self, layout: torch.Tensor, owned: torch.Tensor, group: Any) -> Any:
+        if owned.numel() == layout.numel():  # a group of one: the slice is the layout
+            return DONE
         return keep(_all_gather_flat(layout, owned, group=group, async_op=True))
 
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
     """Blocking all-gather of equal flat pieces into `out` (setup checks, re-sharding)."""
+    if out.numel() == inp.numel():  # a group of one
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return
     keep(_all_gather_flat(out, inp, group=group, async_op=True)).wait()
 
 
 def all_reduce_sum(vec: torch.Tensor, group: Any) -> None:
     """Blocking sum all-reduce of a small control vector."""
+    if alone(group):
+        return
     keep(dist.all_reduce(vec, group=group, async_op=True)).wait()
 
 
 def broadcast(t: torch.Tensor, src_group_rank: int, group: Any) -> None:
     """Blocking broadcast from the group's rank `src_group_rank`."""
+    if alone(group):
+        return
     keep(dist.broadcast(t, src=dist.get_global_rank(group, src_group_rank), group=group,
                         async_op=True)).wait()
 

@@ -11,6 +11,7 @@ import torch
 
 from evenzero.runtime.checks import ZeroConfigError
 from evenzero.runtime.collectives import REDUCE_SCATTER_ALGORITHMS
+from evenzero.runtime.innerstep import IMPLS
 from evenzero.runtime.precision import LossScaleConfig, as_dtype
 from evenzero.strategies import AUTO
 
@@ -84,6 +85,17 @@ class ZeroConfig:
     by themselves. False (default): `step()` returns with every parameter gathered, so
     code that reads parameters directly after the step sees the new values."""
 
+    # --- perf (issue 17): the inner optimizer's implementation (runtime/innerstep.py)
+    optimizer_impl: str | None = None
+    """How the inner optimizer steps the master shards: "single_tensor", "foreach" or
+    "fused" (torch.optim's implementations), or None: the optimizer's own `foreach=` /
+    `fused=` arguments if given, else the implementation measured fastest for the
+    shards' device and dtype (on CPU fused AdamW, Adam, SGD and Adagrad, foreach RAdam,
+    NAdam, RMSprop and Rprop; torch's default elsewhere). After construction
+    `opt.config.optimizer_impl` holds what runs (None if parameter groups differ) and
+    `opt.plan.notes` says it; "single_tensor" is torch's own CPU default."""
+    # --- end perf
+
     def __post_init__(self) -> None:
         if _not_int(self.stage) or self.stage not in (1, 2):
             raise ZeroConfigError(f"stage must be 1 or 2, got {self.stage!r}")
@@ -99,6 +111,9 @@ class ZeroConfig:
         if _not_int(self.max_buckets_in_flight) or self.max_buckets_in_flight < 1:
             raise ZeroConfigError(f"max_buckets_in_flight must be an integer of at least 1, got "
                                   f"{self.max_buckets_in_flight!r}; e.g. max_buckets_in_flight=2")
+        if self.optimizer_impl not in (None, *IMPLS):  # perf (issue 17)
+            raise ZeroConfigError(f"optimizer_impl must be one of {IMPLS} or None, got "
+                                  f"{self.optimizer_impl!r}")
         if self.reduce_scatter_algorithm not in (None, *REDUCE_SCATTER_ALGORITHMS):
             raise ZeroConfigError(f"reduce_scatter_algorithm must be one of "
                                   f"{REDUCE_SCATTER_ALGORITHMS}, got {self.reduce_scatter_algorithm!r}")

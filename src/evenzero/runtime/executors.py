@@ -1,13 +1,18 @@
 """How one bucket's reduced gradients reach this rank's shard: two route executors.
 
-A plan installs one executor per bucket, chosen once from its `BucketRoute`:
+A plan installs one executor per bucket, chosen once from its `BucketRoute` and the
+size of the bucket's group:
 
 * `DirectShardSync`, evenzero's route (and Megatron's): one equal reduce-scatter of the
   whole bucket, whose output is exactly this rank's slice of its gradient shard, so it
   is accumulated with one add and no piecewise copies;
 * `ReplaySync`, the replay of a peer's schedule (DeepSpeed's reduces and all-reduces of
   pieces of a bucket): every planned collective runs as planned, then the pieces this
-  rank owns are accumulated one by one.
+  rank owns are accumulated one by one;
+* `LocalSync`, any route on a group of one rank: there is nothing to reduce, so nothing
+  is issued and the bucket's gradients are its reduced gradients. On evenzero's route
+  a bucket of the group's own dtype needs no bucket at all: the parameters' gradients
+  are added straight into the shard (`accumulate_grads`), without the concatenation.
 
 The verbs are Megatron-core's (megatron/core/distributed/param_and_grad_buffer.py@d98e8a64,
 `_ParamAndGradBucketGroup.start_grad_sync` / `finish_grad_sync`): `start_grad_sync`
@@ -26,7 +31,7 @@ import torch
 from torch.profiler import record_function
 
 from evenzero.runtime.buckets import PoolSlot
-from evenzero.runtime.collectives import PieceCollective, ReduceScatter, TraceRecorder
+from evenzero.runtime.collectives import LOCAL, PieceCollective, ReduceScatter, TraceRecorder
 from evenzero.runtime.gradclear import add_reduced
 from evenzero.runtime.routes import BucketRoute
 from evenzero.runtime.shards import GroupState
@@ -36,6 +41,9 @@ class RouteExecutor(Protocol):
     """Issues and completes the reduction of one bucket."""
 
     route: BucketRoute
+    bucketless: bool
+    """Whether the gradients go straight into the shard (`LocalSync.accumulate_grads`)
+    instead of through a bucket."""
 
     def pool_numel(self) -> int:
         """Pool elements (reduce dtype) the bucket's collectives allocate."""
@@ -52,6 +60,8 @@ class RouteExecutor(Protocol):
 
 class DirectShardSync:
     """One equal reduce-scatter whose output is this rank's shard slice."""
+
+    bucketless = False
 
     def __init__(self, route: BucketRoute, group: GroupState, reduce_scatter: ReduceScatter) -> None:
         if route.direct_shard_offset is None or len(route.collectives) != 1:
@@ -80,6 +90,8 @@ class DirectShardSync:
 
 class ReplaySync:
     """A peer's collectives on pieces of the bucket, then the owned pieces one by one."""
+
+    bucketless = False
 
     def __init__(self, route: BucketRoute, group: GroupState, reduce_scatter: ReduceScatter) -> None:
         self.route, self.group = route, group
@@ -112,9 +124,83 @@ class ReplaySync:
                     bucket[piece.bucket_offset:piece.bucket_offset + piece.numel], alpha=scale)
 
 
+class LocalSync:
+    """A group of one rank: no collective; the bucket is its own reduction."""
+
+    def __init__(self, route: BucketRoute, group: GroupState) -> None:
+        if group.size != 1:
+            raise ValueError("LocalSync runs buckets of a group of one rank only")
+        self.route, self.group = route, group
+
+    @property
+    def bucketless(self) -> bool:
+        """Whether gradients go straight into the shard (`accumulate_grads`): evenzero's
+        route, gradients in the dtype they would travel in (a `reduce_dtype` other than
+        the parameters' rounds them as the bucket would on more ranks)."""
+        return (self.route.direct_shard_offset is not None
+                and self.group.param_dtype == self.group.reduce_dtype)
+
+    def pool_numel(self) -> int:
+        return 0
+
+    def start_grad_sync(self, bucket: torch.Tensor | None, slot: PoolSlot | None,
+                        trace: TraceRecorder) -> Any:
+        trace.record_all(self.route.collectives, LOCAL)
+        return None
+
+    def finish_grad_sync(self, handle: Any, bucket: torch.Tensor, shard: torch.Tensor,
+                         scale: float, cleared: Sequence[tuple[int, int]] = ()) -> None:
+        with record_function("evenzero::accumulate"):
+            if self.route.direct_shard_offset is not None:
+                add_reduced(shard, self.route.direct_shard_offset, bucket, scale, cleared)
+                return
+            for off, n in cleared:
+                shard[off:off + n].zero_()
+            for piece in self.route.owned:
+                shard[piece.shard_offset:piece.shard_offset + piece.numel].add_(
+                    bucket[piece.bucket_offset:piece.bucket_offset + piece.numel], alpha=scale)
+
+    def accumulate_grads(self, grads: Sequence[torch.Tensor | None], cleared: Sequence[bool],
+                         shard: torch.Tensor, scale: float) -> None:
+        """The bucketless reduction: `grads[i]` (None: no gradient) is the gradient of
+        the bucket's i-th parameter; its shard run is overwritten where `cleared[i]`,
+        else added to, times `scale`. Batched: one foreach call per kind."""
+        base = self.route.direct_shard_offset
+        add_to, add_from, set_to, set_from, zero = [], [], [], [], []
+        for s, grad, clear in zip(self.route.bucket.params, grads, cleared, strict=True):
+            run = shard[base + s.offset:base + s.offset + s.numel]
+            if grad is None:
+                if clear:
+                    zero.append(run)
+            elif clear:
+                set_to.append(run)
+                set_from.append(grad.reshape(-1))
+            else:
+                add_to.append(run)
+                add_from.append(grad.reshape(-1))
+        with record_function("evenzero::accumulate"):
+            if zero:
+                torch._foreach_zero_(zero)
+            if set_to:
+                torch._foreach_copy_(set_to, set_from)
+                if scale != 1.0:
+                    torch._foreach_mul_(set_to, scale)
+            if add_to:
+                torch._foreach_add_(add_to, add_from, alpha=scale)
+
+
 def executor_for(route: BucketRoute, group: GroupState,
                  reduce_scatter: ReduceScatter) -> RouteExecutor:
-    """The executor of a route: direct when the route allows it, else the replay."""
+    """The executor of a route: local on a group of one, else `collective_executor_for`."""
+    if group.size == 1:
+        return LocalSync(route, group)
+    return collective_executor_for(route, group, reduce_scatter)
+
+
+def collective_executor_for(route: BucketRoute, group: GroupState,
+                            reduce_scatter: ReduceScatter) -> RouteExecutor:
+    """The executor that issues a route's collectives: direct when the route allows it,
+    else the replay."""
     if route.direct_shard_offset is not None:
         return DirectShardSync(route, group, reduce_scatter)
     return ReplaySync(route, group, reduce_scatter)

@@ -86,6 +86,7 @@ from evenzero.runtime.config import ZeroConfig
 from evenzero.runtime.gradclear import ClearTracker
 from evenzero.runtime.gradstats import StepCheck, StepCheckConfig
 from evenzero.runtime.hooks import BackwardHooks
+from evenzero.runtime.innerstep import choose_inner_step
 from evenzero.runtime.lifecycle import Lifecycle, TrainingState
 from evenzero.runtime.maskedstep import MaskedStep
 from evenzero.runtime.memory import MemoryReport, measure
@@ -164,6 +165,10 @@ class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
         self.loss_scaler = loss_scaler_for(cfg.loss_scale, cfg.loss_scale_config,
                                             list(param_dtypes.values()))
 
+        # perf (issue 17): the inner optimizer's implementation, before the plan names it.
+        inner_step = choose_inner_step(optimizer_class, kwargs, [g.options for g in setup.groups],
+                                       setup.device, master_dtype, cfg.optimizer_impl)
+        self.config = cfg = replace(cfg, optimizer_impl=inner_step.impl)
         broadcast_initial_state(module, setup.groups, self.world_group)
         # Parameters frozen now are not managed; unfreezing one later is named at the step.
         self._frozen = {id(p) for p in module.parameters() if not p.requires_grad}
@@ -189,7 +194,7 @@ class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
         self._install(plan, previous=None)
         self._inner = optimizer_class(
             [{"params": [self.groups[g.name].master], **self.groups[g.name].options}
-             for g in plan.groups], **kwargs)
+             for g in plan.groups], **inner_step.kwargs)
         self._inner_groups = {g.name: pg for g, pg in zip(plan.groups, self._inner.param_groups,
                                                           strict=True)}
         self._stepper = MaskedStep(self._inner, self._masters(), self._runs)

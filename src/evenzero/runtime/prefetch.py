@@ -88,7 +88,7 @@ class ParamPrefetch:
                 mine.copy_(st.master[base:base + mine.numel()])
                 self.pending[key] = self._gather(self.flat.buffers[key], mine, st.process_group)
                 if trace is not None:
-                    trace.record(c, self._gather.name)
+                    trace.record(c, self._gather.algorithm_for(st.size))
         if not overlap:
             self.wait_all()
 

@@ -32,6 +32,7 @@ from evenzero.runtime.groups import (
     model_spec,
     trainable,
 )
+from evenzero.runtime.innerstep import plan_note
 from evenzero.runtime.precision import as_dtype
 from evenzero.runtime.teardown import claimed
 from evenzero.spec import ModelSpec, dtype_name, is_expert
@@ -203,7 +204,8 @@ def plan_options(config: ZeroConfig, device: torch.device | None = None) -> Plan
     reduce = dtype_name(as_dtype(config.reduce_dtype, "reduce_dtype")) if config.reduce_dtype else None
     return PlanOptions(bucket_numel=config.bucket_numel, alignment_bytes=config.alignment_bytes,
                        reduce_dtype=reduce, max_buckets_in_flight=config.max_buckets_in_flight,
-                       cost_model=runtime_cost_preset(device) if device is not None else None)
+                       cost_model=runtime_cost_preset(device) if device is not None else None,
+                       optimizer_impl=config.optimizer_impl)  # perf (issue 17)
 
 
 def runtime_cost_preset(device: torch.device):
@@ -224,6 +226,9 @@ def make_plan(spec: ModelSpec, world_size: int, config: ZeroConfig,
     if bucket_numel is not None:
         options = replace(options, bucket_numel=bucket_numel)
     plan = executable_plan(spec, world_size, config.strategy, options)
+    impl = plan_note(config.optimizer_impl)  # perf (issue 17); first: notes[-1] is the bucket's
+    if impl:
+        plan = replace(plan, notes=(impl, *plan.notes))
     if note:
         plan = replace(plan, notes=(*plan.notes, note))
     if not plan.sharded:
