@@ -23,32 +23,38 @@ elements), where the construction-time choice is one."""
 
 class _Forced:
     """Within the block, rank 0's refinement chooses FORCED (after making its real choice,
-    so that path runs too), and every plan the optimizer installs is recorded."""
+    so that path runs too), and every plan the optimizer executes (at construction, then
+    each one installed) is recorded."""
 
     def __enter__(self):
         from evenzero.runtime import autotune
-        from evenzero.runtime.optimizer import ZeroOptimizer
+        from evenzero.runtime.engine import ShardEngine
 
-        self.real_decide, self.real_install = autotune.decide, ZeroOptimizer._install
+        self.real = autotune.decide, ShardEngine.__init__, ShardEngine.install
         self.installed, self.real_choice = [], []
+        real_decide, real_init, real_install = self.real
 
         def decide(spec, world_size, timings, cost, options):
-            numel, _ = self.real_decide(spec, world_size, timings, cost, options)
+            numel, _ = real_decide(spec, world_size, timings, cost, options)
             self.real_choice.append(numel)
             return FORCED, f"bucket_numel auto: {FORCED} elements, forced by the test"
 
-        def install(opt, plan, previous):
+        def init(engine, plan, *args, **kwargs):
             self.installed.append(plan)
-            return self.real_install(opt, plan, previous)
+            return real_init(engine, plan, *args, **kwargs)
 
-        autotune.decide, ZeroOptimizer._install = decide, install
+        def install(engine, plan, previous):
+            self.installed.append(plan)
+            return real_install(engine, plan, previous)
+
+        autotune.decide, ShardEngine.__init__, ShardEngine.install = decide, init, install
         return self
 
     def __exit__(self, *exc):
         from evenzero.runtime import autotune
-        from evenzero.runtime.optimizer import ZeroOptimizer
+        from evenzero.runtime.engine import ShardEngine
 
-        autotune.decide, ZeroOptimizer._install = self.real_decide, self.real_install
+        autotune.decide, ShardEngine.__init__, ShardEngine.install = self.real
 
 
 def check_relayout_trains_like_torch(rank, world, stage):
@@ -158,7 +164,23 @@ def check_state_dict_carries_the_size(rank, world):
     assert again.plan.bucket_numel == FORCED  # nothing refined after the load
 
 
+def check_user_random_state_is_left_alone(rank, world):
+    """Construction, the measured backwards, the refinement's calibration and the steps
+    draw nothing from torch's global generator: a user's seeded run stays reproducible."""
+    from evenzero import ZeroOptimizer
+
+    torch.manual_seed(0)
+    model = MLP()
+    before = torch.get_rng_state()
+    opt = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    for step in range(3):
+        _train_step(model, opt, step, rank, world)
+    assert "refined at run time" in opt.plan.notes[-1]
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 CHECKS = {
+    "rng_untouched": check_user_random_state_is_left_alone,
     "relayout_stage1": partial(check_relayout_trains_like_torch, stage=1),
     "relayout_stage2": partial(check_relayout_trains_like_torch, stage=2),
     "accumulate_stage1": partial(check_relayout_under_accumulation, stage=1),

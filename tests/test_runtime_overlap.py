@@ -48,15 +48,15 @@ def check_waits_where_params_are_read(rank, world):
             loss.backward()
             o.step()
             o.zero_grad()
-        assert opt._prefetch.pending, "the step should return with its gathers in flight"
+        assert opt._gathers.pending, "the step should return with its gathers in flight"
         if step == 0:
             state = model.state_dict()
-            assert not opt._prefetch.pending
+            assert not opt._gathers.pending
             for k, v in twin.state_dict().items():
                 torch.testing.assert_close(state[k], v, rtol=0, atol=0)
         elif step == 1:
             params = dict(opt.module.named_parameters())
-            assert not opt._prefetch.pending
+            assert not opt._gathers.pending
             for k, v in twin.named_parameters():
                 torch.testing.assert_close(params[k], v, rtol=0, atol=0)
     opt.wait_for_params()

@@ -29,7 +29,7 @@ from evenzero.runtime.buckets import PoolSlot
 from evenzero.runtime.collectives import PieceCollective, ReduceScatter, TraceRecorder
 from evenzero.runtime.gradclear import add_reduced
 from evenzero.runtime.routes import BucketRoute
-from evenzero.runtime.shards import GroupState
+from evenzero.runtime.shards import GroupShard
 
 
 class RouteExecutor(Protocol):
@@ -53,7 +53,7 @@ class RouteExecutor(Protocol):
 class DirectShardSync:
     """One equal reduce-scatter whose output is this rank's shard slice."""
 
-    def __init__(self, route: BucketRoute, group: GroupState, reduce_scatter: ReduceScatter) -> None:
+    def __init__(self, route: BucketRoute, group: GroupShard, reduce_scatter: ReduceScatter) -> None:
         if route.direct_shard_offset is None or len(route.collectives) != 1:
             raise ValueError("DirectShardSync needs a route with a direct shard offset")
         self.route, self.group, self.rs = route, group, reduce_scatter
@@ -81,7 +81,7 @@ class DirectShardSync:
 class ReplaySync:
     """A peer's collectives on pieces of the bucket, then the owned pieces one by one."""
 
-    def __init__(self, route: BucketRoute, group: GroupState, reduce_scatter: ReduceScatter) -> None:
+    def __init__(self, route: BucketRoute, group: GroupShard, reduce_scatter: ReduceScatter) -> None:
         self.route, self.group = route, group
         self.calls = [PieceCollective(c, group.rank, reduce_scatter) for c in route.collectives]
 
@@ -112,7 +112,7 @@ class ReplaySync:
                     bucket[piece.bucket_offset:piece.bucket_offset + piece.numel], alpha=scale)
 
 
-def executor_for(route: BucketRoute, group: GroupState,
+def executor_for(route: BucketRoute, group: GroupShard,
                  reduce_scatter: ReduceScatter) -> RouteExecutor:
     """The executor of a route: direct when the route allows it, else the replay."""
     if route.direct_shard_offset is not None:

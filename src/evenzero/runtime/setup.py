@@ -35,7 +35,7 @@ from evenzero.runtime.groups import (
 from evenzero.runtime.precision import as_dtype
 from evenzero.runtime.teardown import claimed
 from evenzero.spec import ModelSpec, dtype_name, is_expert
-from evenzero.strategies import PlanOptions, executable_plan
+from evenzero.strategies import PlanOptions, executable_plan, get_strategy
 
 
 @dataclass(frozen=True)
@@ -196,14 +196,62 @@ def _broadcast_flat(tensors: list[torch.Tensor], group) -> None:
             offset += t.numel()
 
 
-def plan_options(config: ZeroConfig, device: torch.device | None = None) -> PlanOptions:
-    """The planner's options for the runtime's config. With `bucket_numel="auto"` the
-    construction-time choice is priced on a cost preset for the device the gradients
-    live on (`runtime_cost_preset`); the runtime refines it after the first backwards."""
+PLAN_OPTION_OF: Mapping[str, str] = {
+    "stage": "stage",
+    "bucket_numel": "bucket_numel",
+    "alignment_bytes": "alignment_bytes",
+    "reduce_dtype": "reduce_dtype",
+    "master_dtype": "master_dtype",
+    "max_buckets_in_flight": "max_buckets_in_flight",
+    "overlap_param_gather": "overlap_param_gather",
+}
+"""`ZeroConfig` field -> the `PlanOptions` field it sets (`plan_options`), so `opt.plan`,
+its memory estimate and the auto bucket size describe the run being executed."""
+
+NOT_PLAN_OPTIONS: Mapping[str, str] = {
+    "strategy": "chooses the planner itself (`executable_plan`)",
+    "loss_scale": "scales the loss; the schedule is the same",
+    "loss_scale_config": "scales the loss; the schedule is the same",
+    "elementwise": "a check of the optimizer class at construction",
+    "allow_partial_grads": "how a missing gradient is treated at the step check",
+    "reduce_scatter_algorithm": "the backend's implementation of the planned reduce-scatter "
+                                "(recorded in each traced `Collective.algorithm`)",
+}
+"""`ZeroConfig` fields that are not plan options, and why. Every field is in exactly one
+of the two tables (tests/test_runtime_setup.py)."""
+
+
+def requested_optimizer_impl(optimizer_kwargs: Mapping[str, Any]) -> str | None:
+    """The inner optimizer's implementation the user asked for with torch's own keywords
+    (`fused=True`, `foreach=True/False`), as a `PlanOptions.optimizer_impl`; None when
+    they left torch's default."""
+    if optimizer_kwargs.get("fused"):
+        return "fused"
+    foreach = optimizer_kwargs.get("foreach")
+    if foreach is None:
+        return None
+    return "foreach" if foreach else "single_tensor"
+
+
+def plan_options(config: ZeroConfig, device: torch.device | None = None,
+                 optimizer_impl: str | None = None) -> PlanOptions:
+    """The planner's options for the runtime's config (`PLAN_OPTION_OF`) and the inner
+    optimizer's implementation. With `bucket_numel="auto"` the construction-time choice
+    is priced on a cost preset for the device the gradients live on
+    (`runtime_cost_preset`); the runtime refines it after the first backwards."""
     reduce = dtype_name(as_dtype(config.reduce_dtype, "reduce_dtype")) if config.reduce_dtype else None
     return PlanOptions(bucket_numel=config.bucket_numel, alignment_bytes=config.alignment_bytes,
                        reduce_dtype=reduce, max_buckets_in_flight=config.max_buckets_in_flight,
-                       cost_model=runtime_cost_preset(device) if device is not None else None)
+                       cost_model=runtime_cost_preset(device) if device is not None else None,
+                       stage=config.stage, overlap_param_gather=config.overlap_param_gather,
+                       master_dtype=dtype_name(as_dtype(config.master_dtype, "master_dtype")),
+                       optimizer_impl=optimizer_impl)
+
+
+def tunes_bucket_size(strategy: str | Any) -> bool:
+    """Whether the configured strategy's bucket size may be refined at run time (the
+    registry says so; a custom planner callable's is its own)."""
+    return isinstance(strategy, str) and get_strategy(strategy).tunes_bucket_size
 
 
 def runtime_cost_preset(device: torch.device):
@@ -216,11 +264,12 @@ def runtime_cost_preset(device: torch.device):
 
 def make_plan(spec: ModelSpec, world_size: int, config: ZeroConfig,
               group_sizes: Mapping[str, int], device: torch.device | None = None,
-              bucket_numel: int | None = None, note: str | None = None) -> Plan:
+              bucket_numel: int | None = None, note: str | None = None,
+              optimizer_impl: str | None = None) -> Plan:
     """Plan with the configured strategy and check it fits the process groups we have.
     `bucket_numel` overrides an "auto" config (the runtime's refined size), and `note`
     is then added to the plan's notes."""
-    options = plan_options(config, device)
+    options = plan_options(config, device, optimizer_impl)
     if bucket_numel is not None:
         options = replace(options, bucket_numel=bucket_numel)
     plan = executable_plan(spec, world_size, config.strategy, options)
