@@ -52,9 +52,20 @@ def check_adamw_clip(rank, world, stage):
     total = sum(g.numel for g in opt.plan.groups)
     shard_bytes = sum(opt.plan.shard_numel(g.name) for g in opt.plan.groups) * 4
     assert report.gradient_shards == shard_bytes
-    assert report.master_weights == shard_bytes
+    # fp32 parameters: the masters are this rank's slices of the flat parameter buffers.
+    assert report.master_weights == 0
     # AdamW's two moments, flat, and one `step` scalar per layout piece.
     assert report.optimizer_state == 2 * shard_bytes + 4 * len(opt.plan.layouts), report
+    # So a write to a parameter is a write to its master, with no step in between.
+    params = dict(model.named_parameters())
+    for p in params.values():
+        p.data.mul_(-3.0)
+    for g in opt.plan.groups:
+        master = opt.master_shard(g.name)
+        for r in opt.plan.shard_ranges(g.name, opt.group_rank(g.name)):
+            torch.testing.assert_close(master[r.shard_offset:r.shard_offset + r.numel],
+                                       params[r.param].detach().reshape(-1)[r.start:r.start + r.numel],
+                                       rtol=0, atol=0)
     if stage == 2:
         bound = (total / world + opt.plan.padding()) * 4 + 2 * max(b.numel for b in opt.plan.buckets) * 4
         assert report.gradients <= bound, (report, bound)

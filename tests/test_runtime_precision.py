@@ -49,7 +49,7 @@ def check_bf16_params_fp32_masters(rank, world):
                                        master[r.shard_offset:r.shard_offset + r.numel].bfloat16(),
                                        rtol=0, atol=0)
     assert {c.itemsize for c in opt.trace if c.phase == "backward"} == {2}
-    # bf16 parameters keep fp32 masters of their own.
+    # bf16 parameters keep fp32 masters of their own (fp32 ones are the parameters' memory).
     shard_bytes = sum(opt.plan.shard_numel(g.name) for g in opt.plan.groups) * 4
     assert opt.memory_report().master_weights == shard_bytes
     # bf16 gradients cost precision, not correctness: close to the fp32 reference.

@@ -22,7 +22,9 @@ class MemoryReport:
     pending_grads: int
     """`param.grad` tensors not backed by the engine's buffers (e.g. under no_sync)."""
     master_weights: int
-    """Master shards with memory of their own (`runtime/shards.py`)."""
+    """Master shards with memory of their own: bf16/fp16 parameters' fp32 masters. 0 for
+    groups whose masters are the parameters' own memory (master dtype = parameter
+    dtype, e.g. fp32 training: `runtime/shards.py`)."""
     optimizer_state: int
     """Tensors in the inner optimizer's state (Adam moments, ...)."""
     parameters: int

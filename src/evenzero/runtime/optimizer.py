@@ -6,8 +6,9 @@
 Lifecycle of one step:
 
 1. construction: every rank checks and agrees on the model, plans it (arrival order
-   assumed to be reverse registration), re-points the parameters into flat per-layout
-   buffers and copies its 1/N slice into fp32 master shards;
+   assumed to be reverse registration) and re-points the parameters into flat
+   per-layout buffers; its 1/N slice of each buffer is its master shard (fp32
+   parameters), or is copied into fp32 master shards (bf16/fp16 parameters);
 2. the first backward only records the real gradient-arrival order; at its end rank 0's
    order is adopted everywhere and, if it differs, the model is re-planned and
    re-laid-out once; then all buckets are reduced in plan order;

@@ -9,9 +9,11 @@ instead, once per step, before the inner step:
 
 1. `adopt_replaced`: a parameter whose `.data` was replaced (it no longer points into
    its flat buffer) has its new values copied into the buffer, then is re-pointed;
-2. each rank reads its owned slice of every flat buffer back into its master shard
-   (`pick_up`, through `GroupShard.pick_up_writes`). For fp32 parameters that is a plain
-   copy. For bf16/fp16 parameters the master keeps its extra precision wherever the
+2. fp32 parameters (master dtype = parameter dtype) need nothing more: the master *is*
+   this rank's slice of the flat buffer (`runtime/shards.py`), so a write to a parameter
+   is a write to the master. For bf16/fp16 parameters each rank reads its owned slice of
+   every flat buffer back into its master shard (`pick_up`, through
+   `GroupShard.pick_up_writes`): the master keeps its extra precision wherever the
    parameter still equals the master rounded to the parameter dtype, and takes the
    parameter's value where it differs. A cheap bitwise check comes first, so a step
    without writes pays one comparison pass.

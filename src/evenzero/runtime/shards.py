@@ -6,9 +6,14 @@ rank's equal slice of each layout, padding included: exactly what
 `Piece`. `GroupShard` owns, for one parameter group on this rank:
 
 * the master weights, one piece per layout, which the inner optimizer steps as separate
-  tensors: views of one flat master tensor. `publish` writes a piece into this rank's
-  slice of the layout's flat parameter buffer before its gather, and `pick_up_writes`
-  reads the user's writes back (`runtime/paramwrites.py`);
+  tensors. When the master dtype is the parameter dtype (fp32 training) each piece *is*
+  this rank's slice of the layout's flat parameter buffer (`FlatParams.owned_slice`):
+  nothing is copied in before the step or out after it, a user's write to a parameter
+  is a write to its master, and the masters take no memory of their own (Megatron-core
+  steps fp32 parameters' own memory the same way: distrib_optimizer.py@d98e8a64:465-491).
+  Otherwise (bf16/fp16 parameters with fp32 masters) the pieces are views of one flat
+  master tensor: `publish` rounds a piece into the slice before its gather, and
+  `pick_up_writes` reads the user's writes back (`runtime/paramwrites.py`);
 * the gradient shard `grad`, where the reducer accumulates (one view of it per piece is
   the piece's gradient);
 * the view of the inner optimizer's state: the optimizer keeps state per piece, and
@@ -95,7 +100,7 @@ class GroupShard:
         self.options = options
         """Optimizer keyword overrides for this group."""
         self.placement = placement
-        self.aliased = False
+        self.aliased = master_dtype == param_dtype
         """The master pieces are this rank's slices of the flat parameter buffers."""
         self.grad = torch.zeros(0, dtype=master_dtype, device=placement.grad)
         """This rank's accumulated, averaged gradient shard (the whole group's)."""
