@@ -7,8 +7,12 @@ the parameter gathers (`prefetch.py`). It is the `PlanHolder`'s installer: `inst
 moves all of it to a new plan, keeping every value.
 
 The step (`step`): pick up the user's writes to the parameters, take the groups'
-current hyperparameters, step every shard, then start each layout's all-gather in the
-gathers' order (the plan's step order, which is forward order).
+current hyperparameters, then step the shards layout by layout, in the gathers' order
+(the plan's step order, which is forward order), and start each layout's all-gather as
+soon as its piece holds the new values, so the gathers run while the rest of the step is
+computed. Consecutive layouts are stepped together until they hold `STEP_BATCH_NUMEL`
+elements: one inner optimizer call per layout would cost more in call overhead than the
+overlap gains on small layouts.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ from evenzero.runtime.prefetch import ParamGathers
 from evenzero.runtime.reducer import GradientReducer, ReducerConfig
 from evenzero.runtime.routes import BucketRoute, plan_routes
 from evenzero.runtime.shards import GroupShard, gather_order
+
+STEP_BATCH_NUMEL = 1 << 20
+"""Elements (per rank) stepped by one inner optimizer call before the gathers of the
+layouts stepped so far are launched."""
 
 InnerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
 """Builds the inner optimizer from its param groups (one per plan group)."""
@@ -100,8 +108,8 @@ class ShardEngine:
     def step(self, hyperparameters: Sequence[Mapping[str, Any]], stepped: set[str],
              trace: TraceRecorder, overlap: bool) -> float:
         """Step every parameter in `stepped` (some rank holds a gradient for it) with the
-        user's groups' `hyperparameters` (in group order), then launch every layout's
-        gather; with `overlap` False, return with
+        user's groups' `hyperparameters` (in group order) and launch every layout's
+        gather, each as soon as its shard is stepped; with `overlap` False, return with
         the parameters READY. Returns the seconds spent in the inner optimizer."""
         self.gathers.wait()
         adopt_replaced(self.flat)
@@ -218,8 +226,18 @@ StepBatch = tuple[dict[str, list[int]], list[Collective]]
 
 def _step_batches(order: Sequence[Collective], groups: Mapping[str, GroupShard]
                   ) -> list[StepBatch]:
-    """One batch: every layout is stepped, then every gather is launched, in order."""
-    layouts: dict[str, list[int]] = {}
+    """The gathers in order, cut into runs of layouts that hold at least
+    `STEP_BATCH_NUMEL` elements per rank (the last run may hold fewer)."""
+    batches: list[StepBatch] = []
+    current: list[Collective] = []
+    numel = 0
     for c in order:
-        layouts.setdefault(c.group, []).append(c.buffer_index)
-    return [(layouts, list(order))] if order else []
+        current.append(c)
+        numel += c.numel // max(1, groups[c.group].size)
+        if numel >= STEP_BATCH_NUMEL or c is order[-1]:
+            layouts: dict[str, list[int]] = {}
+            for done in current:
+                layouts.setdefault(done.group, []).append(done.buffer_index)
+            batches.append((layouts, current))
+            current, numel = [], 0
+    return batches

@@ -17,7 +17,9 @@ Lifecycle of one step:
 4. `clip_grad_norm_` / `step`: one small all-reduce over the world carries the squared
    norm, the overflow flag, a presence bit per parameter and a flag for problems a rank
    found alone in backward (raised there on every rank); then the inner optimizer
-   steps the master shards and each layout's all-gather is launched, in forward order;
+   steps the master shards layout by layout, in forward order, and each layout's
+   all-gather is launched as soon as its shard is stepped (`runtime/engine.py`), so the
+   gathers overlap the rest of the step, which then waits for them;
 5. with `overlap_param_gather=True` the step returns without waiting and each module
    waits for the gathers of its own parameters in a forward pre-hook, so they overlap
    the next forward (`runtime/prefetch.py`); read parameters outside their modules'

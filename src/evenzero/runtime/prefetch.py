@@ -1,8 +1,9 @@
 """The step's parameter all-gathers, and the one state that says whether parameters are
 ready to read (`lifecycle.ParamState`), with its one wait and its one check.
 
-The step launches one all-gather per layout, in the plan's step order (forward order),
-once the shards are stepped (`runtime/engine.py`). Then either the step waits for them (the default:
+The step steps each layout's shard and launches that layout's all-gather at once, in the
+plan's step order (forward order), so the gathers run while the rest of the step is
+computed (`runtime/engine.py`). Then either the step waits for them (the default:
 `step()` returns with every parameter READY), or, with `overlap_param_gather=True`, it
 returns with them GATHERING and the next forward waits, layout by layout (FSDP2-style
 prefetch):
