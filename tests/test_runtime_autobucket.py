@@ -23,32 +23,38 @@ elements), where the construction-time choice is one."""
 
 class _Forced:
     """Within the block, rank 0's refinement chooses FORCED (after making its real choice,
-    so that path runs too), and every plan the optimizer installs is recorded."""
+    so that path runs too), and every plan the optimizer executes (at construction, then
+    each one installed) is recorded."""
 
     def __enter__(self):
         from evenzero.runtime import autotune
-        from evenzero.runtime.optimizer import ZeroOptimizer
+        from evenzero.runtime.engine import ShardEngine
 
-        self.real_decide, self.real_install = autotune.decide, ZeroOptimizer._install
+        self.real = autotune.decide, ShardEngine.__init__, ShardEngine.install
         self.installed, self.real_choice = [], []
+        real_decide, real_init, real_install = self.real
 
         def decide(spec, world_size, timings, cost, options):
-            numel, _ = self.real_decide(spec, world_size, timings, cost, options)
+            numel, _ = real_decide(spec, world_size, timings, cost, options)
             self.real_choice.append(numel)
             return FORCED, f"bucket_numel auto: {FORCED} elements, forced by the test"
 
-        def install(opt, plan, previous):
+        def init(engine, plan, *args, **kwargs):
             self.installed.append(plan)
-            return self.real_install(opt, plan, previous)
+            return real_init(engine, plan, *args, **kwargs)
 
-        autotune.decide, ZeroOptimizer._install = decide, install
+        def install(engine, plan, previous):
+            self.installed.append(plan)
+            return real_install(engine, plan, previous)
+
+        autotune.decide, ShardEngine.__init__, ShardEngine.install = decide, init, install
         return self
 
     def __exit__(self, *exc):
         from evenzero.runtime import autotune
-        from evenzero.runtime.optimizer import ZeroOptimizer
+        from evenzero.runtime.engine import ShardEngine
 
-        autotune.decide, ZeroOptimizer._install = self.real_decide, self.real_install
+        autotune.decide, ShardEngine.__init__, ShardEngine.install = self.real
 
 
 def check_relayout_trains_like_torch(rank, world, stage):

@@ -53,7 +53,20 @@ def check_adamw_clip(rank, world, stage):
     total = sum(g.numel for g in opt.plan.groups)
     shard_bytes = sum(opt.plan.shard_numel(g.name) for g in opt.plan.groups) * 4
     assert report.gradient_shards == shard_bytes
-    assert report.master_weights == shard_bytes
+    # fp32 parameters: the masters are this rank's slices of the flat parameter buffers.
+    assert report.master_weights == 0
+    # AdamW's two moments, flat, and one `step` scalar per layout piece.
+    assert report.optimizer_state == 2 * shard_bytes + 4 * len(opt.plan.layouts), report
+    # So a write to a parameter is a write to its master, with no step in between.
+    params = dict(model.named_parameters())
+    for p in params.values():
+        p.data.mul_(-3.0)
+    for g in opt.plan.groups:
+        master = opt.master_shard(g.name)
+        for r in opt.plan.shard_ranges(g.name, opt.group_rank(g.name)):
+            torch.testing.assert_close(master[r.shard_offset:r.shard_offset + r.numel],
+                                       params[r.param].detach().reshape(-1)[r.start:r.start + r.numel],
+                                       rtol=0, atol=0)
     if stage == 2:
         bound = (total / world + opt.plan.padding()) * 4 + 2 * max(b.numel for b in opt.plan.buckets) * 4
         assert report.gradients <= bound, (report, bound)
@@ -136,15 +149,19 @@ def check_replan_moves_optimizer_state(rank, world):
     model = Quirky()
     opt = ZeroOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9, bucket_numel=40)
     before = opt.plan
+    loaded = {}
     for g in before.groups:
-        master = opt.master_shard(g.name)
-        opt._inner.state[master]["momentum_buffer"] = master.detach() * 2 + 1
+        shard = opt.shard_state(g.name)
+        master = shard["flats"]["master"]
+        loaded[g.name] = {**shard, "flats": {"master": master,
+                                             "momentum_buffer": master.detach() * 2 + 1}}
+    opt.load_shard_state(loaded, None, None)
     quirky_loss(model, quirky_batch(0, 4)).backward()
     assert opt.plan.layouts != before.layouts, "the test needs a re-layout"
     for g in opt.plan.groups:
         master = opt.master_shard(g.name)
         assert master.numel() == opt.plan.shard_numel(g.name)
-        buf = opt._inner.state[master]["momentum_buffer"]
+        buf = opt.shard_state(g.name)["flats"]["momentum_buffer"]
         owned = torch.zeros_like(master, dtype=torch.bool)
         for r in opt.plan.shard_ranges(g.name, opt.group_rank(g.name)):
             owned[r.shard_offset:r.shard_offset + r.numel] = True

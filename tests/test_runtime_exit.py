@@ -66,8 +66,8 @@ def drop_job(rank: int, world: int) -> None:
         mlp_loss(model, tuple(part(t, rank, world) for t in mlp_batch(step, 4 * world))).backward()
         opt.step()
         opt.zero_grad()
-    assert opt._prefetch.pending, "the step should return with its gathers in flight"
-    pending = list(opt._prefetch.pending.values())
+    assert opt._gathers.pending, "the step should return with its gathers in flight"
+    pending = list(opt._gathers.pending.values())
     alive = weakref.ref(opt)
     gc.disable()  # freed by reference counting, not by a lucky collection
     try:

@@ -122,14 +122,13 @@ def test_the_masked_step_runs_each_pick_like_torch_per_parameter(name, world, ra
     p = _plan(world, bucket)
     ranges = p.shard_ranges("dense", rank)
     master = torch.nn.Parameter(_gather(p, ranges, init))
-    stepper = MaskedStep(cls([master], **pick.kwargs), {"dense": master},
-                         {"dense": ShardRuns.of(p, "dense", rank)})
+    stepper = MaskedStep(cls([master], **pick.kwargs), [master], ShardRuns.of(p, "dense", rank))
     for step, present in enumerate(PRESENCE):
         grads = {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
         for n, prm in ref.items():
             prm.grad = grads[n].clone() if n in present else None
         ref_opt.step()
-        stepper.step({"dense": _gather(p, ranges, grads)}, present)
+        stepper.step([_gather(p, ranges, grads)], present)
         want = _gather(p, ranges, {n: v.detach() for n, v in ref.items()})
         torch.testing.assert_close(master.detach(), want, rtol=1e-6, atol=1e-6,
                                    msg=lambda m, s=step: f"step {s}: {m}")

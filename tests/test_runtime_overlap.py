@@ -48,15 +48,15 @@ def check_waits_where_params_are_read(rank, world):
             loss.backward()
             o.step()
             o.zero_grad()
-        assert opt._prefetch.pending, "the step should return with its gathers in flight"
+        assert opt._gathers.pending, "the step should return with its gathers in flight"
         if step == 0:
             state = model.state_dict()
-            assert not opt._prefetch.pending
+            assert not opt._gathers.pending
             for k, v in twin.state_dict().items():
                 torch.testing.assert_close(state[k], v, rtol=0, atol=0)
         elif step == 1:
             params = dict(opt.module.named_parameters())
-            assert not opt._prefetch.pending
+            assert not opt._gathers.pending
             for k, v in twin.named_parameters():
                 torch.testing.assert_close(params[k], v, rtol=0, atol=0)
     opt.wait_for_params()
@@ -140,7 +140,41 @@ def check_idle_rank(rank, world, idle: int, allow: bool):
     assert opt.step_count == 2
 
 
+def check_gathers_start_while_the_step_runs(rank, world):
+    """Each layout's gather is launched as soon as its shard is stepped, before the next
+    layout is stepped (every layout its own batch here), and the default step still
+    returns with every parameter READY; the result is torch's."""
+    from evenzero.runtime import engine
+    from evenzero.runtime.lifecycle import ParamState
+    from evenzero.runtime.maskedstep import MaskedStep
+    from evenzero.runtime.prefetch import ParamGathers
+
+    events: list[str] = []
+    real = engine.STEP_BATCH_NUMEL, ParamGathers.launch, MaskedStep._step_tensors
+
+    def launch(self, c, trace):
+        events.append("gather")
+        return real[1](self, c, trace)
+
+    def step_tensors(self, tensors, grads):
+        events.append("step")
+        return real[2](self, tensors, grads)
+
+    engine.STEP_BATCH_NUMEL, ParamGathers.launch, MaskedStep._step_tensors = 1, launch, step_tensors
+    try:
+        model, ref, opt, _ = train_pair(rank, world, MLP, mlp_loss, mlp_batch, torch.optim.AdamW,
+                                        {"lr": 1e-2}, {"bucket_numel": 64}, steps=2)
+    finally:
+        engine.STEP_BATCH_NUMEL, ParamGathers.launch, MaskedStep._step_tensors = real
+    layouts = len(opt.plan.layouts)
+    assert layouts > 1
+    assert events[-2 * layouts:] == ["step", "gather"] * layouts, events
+    assert opt._gathers.state is ParamState.READY
+    assert_same_params(model, ref)
+
+
 CHECKS = {
+    "gathers_overlap_the_step": check_gathers_start_while_the_step_runs,
     "trains_like_reference": check_trains_like_reference,
     "waits_where_params_are_read": check_waits_where_params_are_read,
     "early_read_is_an_error": check_early_read_is_an_error,

@@ -7,7 +7,7 @@ import torch
 
 from evenzero.runtime.buckets import FlatParams
 from evenzero.runtime.checks import ZeroRuntimeError
-from evenzero.runtime.paramwrites import adopt_replaced, pick_up, refresh_masters
+from evenzero.runtime.paramwrites import adopt_replaced, pick_up
 from evenzero.spec import GroupSpec, ModelSpec, ParamSpec, dtype_name
 from evenzero.strategies import PlanOptions, plan
 from test_runtime_models import MLP
@@ -23,8 +23,17 @@ def _setup(dtype=torch.float32, world=2, rank=1):
     p = plan(spec, world, "evenzero", PlanOptions(bucket_numel=96, alignment_bytes=4))
     flat = FlatParams(p, named, {"dense": rank})
     master = torch.zeros(p.shard_numel("dense"))
-    refresh_masters(p, flat, "dense", master)
+    refresh_masters(p, flat, master)
     return model, p, flat, master, rank
+
+
+def refresh_masters(p, flat, master, scratch=None) -> bool:
+    """What `GroupShard.pick_up_writes` does for fp32 masters of a group's layouts."""
+    written = False
+    for s in p.layout_shards("dense"):
+        written |= pick_up(master[s.shard_offset:s.shard_offset + s.numel],
+                           flat.owned_slice("dense", s.layout), scratch)
+    return written
 
 
 def _expected(p, rank, model) -> torch.Tensor:
@@ -71,7 +80,7 @@ def test_every_kind_of_write_reaches_the_master(write):
     before = master.clone()
     write(model)
     adopt_replaced(flat)
-    refresh_masters(p, flat, "dense", master)
+    refresh_masters(p, flat, master)
     assert not torch.equal(master, before)
     torch.testing.assert_close(master, _expected(p, rank, model), rtol=0, atol=0)
     # The parameters point into the flat buffers again, in the buffer dtype.
@@ -90,7 +99,7 @@ def test_low_precision_master_keeps_its_precision_where_not_written():
                              master, _expected(p, rank, model)))
     precise = master.clone()
     _write_copy(model)
-    refresh_masters(p, flat, "dense", master)
+    refresh_masters(p, flat, master)
     written = {r.shard_offset + i for r in p.shard_ranges("dense", rank) if r.param == "fc2.weight"
                for i in range(r.numel)}
     idx = torch.tensor(sorted(written), dtype=torch.long)
@@ -102,6 +111,22 @@ def test_low_precision_master_keeps_its_precision_where_not_written():
     assert torch.all(master[idx].to(torch.bfloat16) == 0.25)
     moved = precise[idx].to(torch.bfloat16) != 0.25
     assert moved.any() and torch.all(master[idx][moved] == 0.25)
+
+
+def test_the_cheap_check_changes_nothing_without_writes_and_only_written_chunks():
+    torch.manual_seed(1)
+    master = torch.randn(1000)
+    owned = master.to(torch.bfloat16)          # what the last gather left
+    precise = master.clone()
+    scratch = torch.empty(64, dtype=torch.bfloat16)  # many chunks
+    assert not pick_up(master, owned, scratch)
+    assert torch.equal(master, precise)        # every bit of precision kept
+    owned[700] = 5.0
+    owned[3] = 0.0                             # a write in another chunk
+    assert pick_up(master, owned, scratch)
+    changed = (master != precise).nonzero().flatten().tolist()
+    assert changed == [3, 700] and master[700] == 5.0
+    assert torch.equal(master[:3], precise[:3]) and torch.equal(master[701:], precise[701:])
 
 
 def test_pick_up_fp32_is_a_copy_and_nan_propagates():

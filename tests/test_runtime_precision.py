@@ -49,6 +49,9 @@ def check_bf16_params_fp32_masters(rank, world):
                                        master[r.shard_offset:r.shard_offset + r.numel].bfloat16(),
                                        rtol=0, atol=0)
     assert {c.itemsize for c in opt.trace if c.phase == "backward"} == {2}
+    # bf16 parameters keep fp32 masters of their own (fp32 ones are the parameters' memory).
+    shard_bytes = sum(opt.plan.shard_numel(g.name) for g in opt.plan.groups) * 4
+    assert opt.memory_report().master_weights == shard_bytes
     # bf16 gradients cost precision, not correctness: close to the fp32 reference.
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
@@ -134,7 +137,31 @@ def check_recast_in_forward_keeps_gradient(rank, world):
         assert all(torch.equal(w, weight) for w in everyone), "ranks diverged"
 
 
+def check_a_replaced_loss_scaler_is_the_one_used(rank, world):
+    """`opt.loss_scaler` replaced after construction (as the DeepSpeed drop-in does): the
+    reduction divides by the new scaler's scale, with no re-plan in between."""
+    from evenzero import ZeroOptimizer
+
+    torch.manual_seed(0)
+    model = MLP()
+    ref = MLP()
+    ref.load_state_dict(model.state_dict())
+    opt = ZeroOptimizer(model, torch.optim.SGD, lr=0.05, bucket_numel=100)
+    opt.loss_scaler = LossScaler(True, LossScaleConfig(init_scale=8.0), dynamic=False)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(3):
+        opt.backward(mlp_loss(model, _local(rank, world, step)))
+        opt.step()
+        opt.zero_grad()
+        mlp_loss(ref, mlp_batch(step, 4 * world)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    opt.wait_for_params()
+    assert_same_params(model, ref)
+
+
 CHECKS = {
+    "replaced_loss_scaler": check_a_replaced_loss_scaler_is_the_one_used,
     "recast_in_forward_keeps_gradient": check_recast_in_forward_keeps_gradient,
     "bf16_params_fp32_masters": check_bf16_params_fp32_masters,
     "reduce_dtype_bf16": check_reduce_dtype_bf16,

@@ -13,7 +13,7 @@ from evenzero.runtime.reducer import GradientReducer, ReducerConfig, keeps_pool
 from evenzero.runtime.routes import plan_routes
 from evenzero.runtime.shardedgrad import ShardedGrad, placeholders
 from evenzero.runtime.shardruns import ShardRuns
-from evenzero.runtime.shards import GroupState
+from evenzero.runtime.shards import GroupShard, Placement
 from evenzero.spec import ModelSpec, ParamSpec
 from evenzero.strategies import PlanOptions, plan
 
@@ -61,8 +61,9 @@ def make_reducer(max_in_flight: int = 2, stage: int = 2, keep_pool: bool = False
     assert [[s.name for s in b.params] for b in p.buckets] == [["p3", "p2"], ["p1", "p0"]]
     params = {n: torch.nn.Parameter(torch.zeros(4)) for n in NAMES}
     n = p.shard_numel("dense")
-    group = GroupState("dense", None, 1, 0, torch.float32, torch.float32, torch.zeros(n),
-                       torch.zeros(n), {})
+    group = GroupShard("dense", None, 1, 0, torch.float32, torch.float32, torch.float32, {},
+                       Placement.on(torch.device("cpu")))
+    group.grad = torch.zeros(n)
     rs = FakeReduceScatter()
     trace = TraceRecorder()
     tracker = ClearTracker(params, placeholders(list(params.items())))
@@ -268,7 +269,8 @@ def test_bucketless_accumulation_equals_the_bucket_path(dtype):
     p = plan(spec, 1, "evenzero", PlanOptions(bucket_numel=16, alignment_bytes=4))
     route, = plan_routes(p, {"dense": 0})
     n = p.shard_numel("dense")
-    group = GroupState("dense", None, 1, 0, dtype, dtype, torch.zeros(n), torch.zeros(n), {})
+    group = GroupShard("dense", None, 1, 0, dtype, dtype, torch.float32, {},
+                       Placement.on(torch.device("cpu")))
     ex = LocalSync(route, group)
     assert ex.bucketless
     gen = torch.Generator().manual_seed(0)

@@ -1,10 +1,13 @@
-"""The optimizer's backward side: what the hooks report, and recovery from a backward
-that raised.
+"""The optimizer's backward side: what the hooks report, the step check, and recovery
+from a backward that raised.
 
-`BackwardSide` is a mixin of `ZeroOptimizer` (one object, so the hooks can hold it
-weakly and `del opt` frees it at once). It reacts to the hooks (`_on_forward`,
-`_on_backward_start`, `_on_grad`, `_on_backward_end`), moves the `Lifecycle` and, at the
-end of each synced backward, finishes the bucket reductions.
+`BackwardDriver` implements `hooks.BackwardObserver`; the hooks hold it weakly, and
+only the optimizer holds it, so `del opt` frees everything at once. It reacts to the
+hooks (`on_forward`, `on_backward_start`, `on_grad`, `on_backward_end`), moves the
+`Lifecycle` and, at the end of each synced backward, finishes the bucket reductions.
+During the first backwards it also measures: the arrival order (then re-plans with it)
+and, with `bucket_numel="auto"`, the timings the bucket size is refined from
+(`runtime/backwardclock.py`, `runtime/autotune.py`).
 
 A backward that raised on one rank only is the hard case: the other ranks finished
 theirs and wait in their bucket collectives, or in the step check that follows. The
@@ -17,23 +20,26 @@ is void, and zero_grad() lets everyone go on.
 
 from __future__ import annotations
 
-import math
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 
-from evenzero.plan import Plan
 from evenzero.runtime.autotune import calibration_target, refine_bucket_numel
-from evenzero.runtime.checks import ZeroConfigError, ZeroRuntimeError, backward_problems
-from evenzero.runtime.collectives import broadcast
-from evenzero.runtime.gradstats import GradStats
-from evenzero.runtime.lifecycle import TrainingState
-from evenzero.runtime.setup import make_plan, plan_options
-from evenzero.runtime.teardown import KEEPER
-
-if TYPE_CHECKING:
-    from evenzero.runtime.optimizer import ZeroOptimizer
+from evenzero.runtime.backwardclock import RefinementSchedule
+from evenzero.runtime.checks import ZeroRuntimeError, backward_problems
+from evenzero.runtime.collectives import TraceRecorder, broadcast
+from evenzero.runtime.engine import ShardEngine
+from evenzero.runtime.gradclear import ClearTracker
+from evenzero.runtime.gradstats import GradStats, StepCheck
+from evenzero.runtime.hooks import BackwardHooks
+from evenzero.runtime.lifecycle import Lifecycle, TrainingState
+from evenzero.runtime.planholder import PlanHolder
+from evenzero.runtime.precision import ScalerSlot
+from evenzero.runtime.prefetch import ParamGathers
+from evenzero.runtime.setup import Setup
+from evenzero.runtime.teardown import KEEPER, Resources
 
 REMOTE_PROBLEM = ("{n} other rank(s) found a problem in this step (in their backward, a "
                   "backward that raised there, or gradients they discarded with zero_grad() "
@@ -41,186 +47,238 @@ REMOTE_PROBLEM = ("{n} other rank(s) found a problem in this step (in their back
                   "rank: call zero_grad() and go on")
 
 
-class BackwardSide:
-    """Hook reactions and backward recovery; mixed into `ZeroOptimizer`."""
+class BackwardDriver:
+    """Hook reactions, the step check and backward recovery of one optimizer."""
 
-    # ------------------------------------------------------------------ the result
+    def __init__(self, module: torch.nn.Module, setup: Setup, frozen: set[int],
+                 world_group: Any, rank: int, reduce_scatter_algorithm: str,
+                 plans: PlanHolder, engine: ShardEngine, gathers: ParamGathers,
+                 clearing: ClearTracker, recorder: TraceRecorder, step_check: StepCheck,
+                 scaler: ScalerSlot, refine: RefinementSchedule, resources: Resources) -> None:
+        self.module, self.setup, self.frozen = module, setup, frozen
+        self.names = tuple(n for n, _ in setup.named)
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.managed = {id(p) for _, p in setup.named}
+        self.world_group = world_group
+        self.rank, self.reduce_scatter_algorithm = rank, reduce_scatter_algorithm
+        self.plans, self.engine, self.gathers = plans, engine, gathers
+        self.clearing, self.recorder, self.step_check = clearing, recorder, step_check
+        self.scaler, self.refine, self.resources = scaler, refine, resources
+        self.life = Lifecycle(len(self.names))
+        self._loss_scaled = False
+        self.hooks = BackwardHooks(module, setup.named, self)
+        self.hooks.record_arrival()
+        self.hooks.clock = refine.clock
 
-    def _grad_stats(self: ZeroOptimizer, what: str) -> GradStats:
-        """The step check's result, after making sure `what` may run now."""
-        if self._resources.closed:
+    # ------------------------------------------------------------------ the optimizer's calls
+
+    @contextmanager
+    def unsynced(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, without communication."""
+        previous, self.life.sync = self.life.sync, False
+        try:
+            yield
+        finally:
+            self.life.sync = previous
+
+    def loss_scaled(self) -> None:
+        """The next backward runs on a scaled loss (`ZeroOptimizer.scale_loss`)."""
+        self._loss_scaled = True
+
+    def grad_stats(self, what: str) -> GradStats:
+        """The step check's result, after making sure `what` (step, clip_grad_norm_) may
+        run now; the parameters are READY when it returns."""
+        if self.resources.closed:
             raise ZeroRuntimeError(f"{what}() on a ZeroOptimizer that was closed; build a new "
                                    f"one for the model")
-        life = self._life
+        life = self.life
         if life.is_dead_backward():
             problem = self._recover()
             raise ZeroRuntimeError(f"{what}(): {problem}; call zero_grad() and go on")
         life.require(what)
-        self._prefetch.wait_all()
+        self.gathers.wait()
         return life.record.stats or self._run_step_check()
 
-    def clip_grad_norm_(self: ZeroOptimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale gradients so their global 2-norm is at most `max_norm`; returns the norm
-        before clipping, over all ranks and groups (like torch.nn.utils.clip_grad_norm_,
-        which also leaves the gradients alone for max_norm=inf)."""
-        if float(norm_type) != 2.0:
-            raise ZeroConfigError(f"clip_grad_norm_: only norm_type=2 is supported, got {norm_type}")
-        if (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
-                or math.isnan(max_norm) or max_norm < 0):
-            raise ZeroConfigError(f"clip_grad_norm_: max_norm must be a number >= 0 (inf to "
-                                  f"measure without clipping), got {max_norm!r}")
-        stats = self._grad_stats("clip_grad_norm_")
-        if not stats.overflow:
-            coef = max_norm / (stats.norm + 1e-6)
-            if coef < 1.0:
-                for st in self.groups.values():
-                    st.grad.mul_(coef)
-        return torch.tensor(stats.norm, dtype=torch.float32)
+    def present(self, stats: GradStats) -> set[str]:
+        """Parameters some rank holds a gradient for: the ones the step touches."""
+        return {n for n, here in zip(self.names, stats.present, strict=True) if here}
 
-    # ------------------------------------------------------------------ hooks
+    def optimizer_timed(self, seconds: float) -> None:
+        """The last step's inner optimizer took `seconds` (for the bucket size's timeline,
+        while it is still to be refined)."""
+        if self.refine.pending:
+            self.refine.optimizer_seconds = (seconds, self.engine.step_numel())
 
-    def _backward_running(self: ZeroOptimizer) -> bool:
-        return self._life.state is TrainingState.BACKWARD
+    def end_step(self, stepped: set[str] | None) -> None:
+        """The step ended (`stepped`: the parameters it touched; None: skipped). As in
+        torch, parameters no rank had a gradient for show `p.grad = None`."""
+        if stepped is not None:
+            self.clearing.drop_absent([n for n in self.names if n not in stepped])
+        self.recorder.close_step()
+        self.life.reset()
 
-    def _on_forward(self: ZeroOptimizer) -> None:
-        if self._life.is_dead_backward():
+    def zero_grad(self, set_to_none: bool, clear: Callable[[], None]) -> None:
+        """The optimizer's zero_grad(): `clear` clears the user's `.grad` as torch does.
+
+        After a backward that raised on this rank, this first finishes that backward's
+        collectives with the other ranks (the error's advice). Gradients reduced but
+        never stepped are discarded with the other ranks' agreement: a rank that steps
+        them while another discards them raises instead of training differently."""
+        life = self.life
+        if life.is_dead_backward():
+            self._recover()
+            return
+        if life.state is TrainingState.BACKWARD:
+            raise ZeroRuntimeError("zero_grad() called during backward; call it before the "
+                                   "forward or after step()")
+        if life.state is TrainingState.REDUCED and not self.resources.closed:
+            life.note_problem("this rank discarded the step's gradients with zero_grad() "
+                              "before step()")
+            self._run_step_check(raise_problems=False)
+        self.clearing.clear_all(set_to_none)
+        clear()
+        self.engine.reducer.zero_()
+        if self.recorder.pending:
+            self.recorder.close_step()
+        life.reset()
+
+    @property
+    def arrival_measured(self) -> bool:
+        """Whether the arrival order the plan is made for was measured (or loaded)."""
+        return self.hooks.arrival is None
+
+    def adopt_measured_arrival(self) -> None:
+        """A loaded state's arrival order was measured: measure none here."""
+        if self.hooks.arrival is not None:
+            self.hooks.take_arrival()
+            self.life.measuring = self.refine.pending
+
+    def stop_refining(self) -> None:
+        """The bucket size is fixed from now on (a loaded state dict's)."""
+        self.refine.clock = self.hooks.clock = None
+        self.life.measuring = self.hooks.arrival is not None
+
+    # ------------------------------------------------------------------ hooks (BackwardObserver)
+
+    def backward_running(self) -> bool:
+        return self.life.state is TrainingState.BACKWARD
+
+    def on_forward(self) -> None:
+        if self.life.is_dead_backward():
             self._recover()
 
-    def _on_backward_start(self: ZeroOptimizer) -> None:
-        if self._life.is_dead_backward():
+    def on_backward_start(self) -> None:
+        life = self.life
+        if life.is_dead_backward():
             # No forward through the module and no zero_grad() since the backward that
             # raised: its partial gradients may already sit in this backward's first
             # `.grad`, so this step cannot be trusted either.
             problem = self._recover()
-            self._life.note_problem(f"{problem}; the backward after it ran without a "
-                                    f"zero_grad() or a forward in between")
+            life.note_problem(f"{problem}; the backward after it ran without a "
+                              f"zero_grad() or a forward in between")
         KEEPER.new_batch()
-        self._life.begin_backward()
-        if self.loss_scaler.enabled and self.loss_scaler.scale != 1.0 and not self._loss_scaled:
-            self._life.note_problem(
+        life.begin_backward()
+        scaler = self.scaler.scaler
+        if scaler.enabled and scaler.scale != 1.0 and not self._loss_scaled:
+            life.note_problem(
                 f"a backward ran on a loss that was not scaled, while fp16 loss scaling is on "
-                f"(scale {self.loss_scaler.scale:g}): its gradients would be divided by the "
+                f"(scale {scaler.scale:g}): its gradients would be divided by the "
                 f"scale. Call opt.backward(loss) (or opt.scale_loss(loss).backward()) instead "
                 f"of loss.backward()")
         self._loss_scaled = False
-        # Layouts no forward pre-hook waited for; a gradient for one of their parameters
-        # means the parameter was read while its gather could still be running.
-        self._life.record.stale_layouts = set(self._prefetch.pending)
-        self._prefetch.wait_all()
+        self.gathers.begin_backward()
 
-    def _on_grad(self: ZeroOptimizer, name: str) -> None:
-        life = self._life
-        rec = life.record
-        rec.presence[self._index[name]] = 1.0
-        problem = self._clearing.accumulated(name)
+    def on_grad(self, name: str) -> None:
+        life = self.life
+        life.record.presence[self.index[name]] = 1.0
+        problem = self.clearing.accumulated(name)
         if problem is not None:
             life.note_problem(problem)
-        if rec.stale_layouts and self._prefetch.layout_of(name) in rec.stale_layouts:
-            rec.read_early.append(name)
+        self.gathers.grad_arrived(name)
         if life.backward_synced and not life.measuring:
-            self._reducer.grad_ready(name)
+            self.engine.reducer.grad_ready(name)
 
-    def _on_backward_end(self: ZeroOptimizer) -> None:
+    def on_backward_end(self) -> None:
         self._end_backward(aborted=False)
 
     # ------------------------------------------------------------------ backward end
 
-    def _end_backward(self: ZeroOptimizer, aborted: bool) -> None:
+    def _end_backward(self, aborted: bool) -> None:
         """Every collective a backward's end issues, on every rank alike."""
-        life = self._life
-        life.record.stale_layouts = set()
+        life = self.life
+        read_early = self.gathers.end_backward()
         if life.measuring:
-            if self._hooks.arrival is not None:
-                order = self._hooks.take_arrival() or []
+            if self.hooks.arrival is not None:
+                order = self.hooks.take_arrival() or []
                 # A backward that raised measured only part of the order: send none, so
                 # everyone keeps the assumed order and measures the next backward.
                 self._adopt_arrival([] if aborted else order)
             self._refine_bucket_size(aborted)
-            life.measuring = self._hooks.arrival is not None or self._refine.pending
+            life.measuring = self.hooks.arrival is not None or self.refine.pending
         if life.backward_synced:
-            problems = self._reducer.finish_grad_sync()
-            problems += backward_problems(life.record.read_early, self._module, self._managed,
-                                          self._frozen)
-            life.record.read_early = []
+            problems = self.engine.reducer.finish_grad_sync()
+            problems += [read_early] if read_early else []
+            problems += backward_problems(self.module, self.managed, self.frozen)
             # Raised at the step check, on every rank: raising here, on this rank only,
             # would leave the others waiting in that all-reduce.
             life.note_problem(problems[0] if problems else None)
+        else:
+            life.note_problem(read_early)
         life.end_backward()
 
-    def _adopt_arrival(self: ZeroOptimizer, order: list[str]) -> None:
+    def _adopt_arrival(self, order: list[str]) -> None:
         """Agree on rank 0's measured arrival order and re-plan once if it differs."""
-        vec = torch.full((len(self._names) + 1,), -1, dtype=torch.int64,
-                         device=self._setup.control_device)
+        vec = torch.full((len(self.names) + 1,), -1, dtype=torch.int64,
+                         device=self.setup.control_device)
         vec[0] = len(order)
         if order:
-            vec[1:1 + len(order)] = torch.tensor([self._index[n] for n in order])
+            vec[1:1 + len(order)] = torch.tensor([self.index[n] for n in order])
         broadcast(vec, 0, self.world_group)
         values = vec.tolist()
-        order = [self._names[i] for i in values[1:1 + values[0]]]
+        order = [self.names[i] for i in values[1:1 + values[0]]]
         if not order:
             # Rank 0's backward reached no managed parameter: nothing was measured, so
             # keep the assumed order and measure the next backward instead.
-            self._hooks.record_arrival()
+            self.hooks.record_arrival()
             return
-        unchanged = tuple(order) == self.plan.arrival
-        self.spec = self.spec.with_arrival(order, "measured")
-        if unchanged:
-            return
-        plan: Plan = make_plan(self.spec, self.world_size, self.config, self._setup.group_sizes,
-                               self._setup.device)
-        if plan != self.plan:
-            self._install(plan, previous=self.plan)
+        self.plans.replan(arrival=order)
 
-    def _stop_refining(self: ZeroOptimizer) -> None:
-        """The bucket size is fixed from now on (a loaded state dict's)."""
-        self._refine.clock = self._hooks.clock = None
-        self._life.measuring = self._hooks.arrival is not None
-
-    def _refine_bucket_size(self: ZeroOptimizer, aborted: bool) -> None:
+    def _refine_bucket_size(self, aborted: bool) -> None:
         """Once enough backwards were timed (`runtime/backwardclock.py`): calibrate, let
         rank 0 choose the bucket size, and re-plan with it on every rank
         (`runtime/autotune.py`). Before this backward's buckets are reduced, so they
         are reduced in the new plan; collective, reached at the same backward by every
         rank (a rank whose backward raised gets here from `_recover`)."""
-        life = self._life
-        timings = self._refine.backward_ended(aborted, life.backward_synced,
-                                              self._hooks.arrival is None)
+        timings = self.refine.backward_ended(aborted, self.life.backward_synced,
+                                             self.hooks.arrival is None)
         if timings is None:
             return
-        self._hooks.clock = None
-        sizes = [(self.world_size, self.world_group)]
-        sizes += sorted(((st.size, st.process_group) for st in self.groups.values()),
-                        key=lambda g: -g[0])
-        widest = max(self.groups.values(), key=lambda st: st.size)
-        target = calibration_target(sizes, self._setup.device, widest.reduce_dtype,
+        self.hooks.clock = None
+        groups = self.engine.groups.values()
+        sizes = [(self.plans.world_size, self.world_group)]
+        sizes += sorted(((st.size, st.process_group) for st in groups), key=lambda g: -g[0])
+        widest = max(groups, key=lambda st: st.size)
+        target = calibration_target(sizes, self.setup.device, widest.reduce_dtype,
                                     self.reduce_scatter_algorithm)
-        options = plan_options(self.config, self._setup.device)
-        out = refine_bucket_numel(self.spec, self.world_size, timings, target, self.world_group,
-                                  self._setup.control_device, options,
-                                  self._refine.optimizer_seconds)
-        if out.numel is None:  # not refined: the plan stands, its notes say why
-            self.plan = replace(self.plan, notes=(*self.plan.notes, out.note))
-            return
-        plan = make_plan(self.spec, self.world_size, self.config, self._setup.group_sizes,
-                         self._setup.device, bucket_numel=out.numel, note=out.note)
-        if plan.buckets == self.plan.buckets and plan.layouts == self.plan.layouts:
-            self.plan = plan  # the same buckets: nothing to re-lay out
-        else:
-            self._install(plan, previous=self.plan)
+        out = refine_bucket_numel(self.plans.spec, self.plans.world_size, timings, target,
+                                  self.world_group, self.setup.control_device,
+                                  self.plans.options(), self.refine.optimizer_seconds)
+        # Not refined: the plan stands, its notes say why.
+        self.plans.replan(bucket_numel=out.numel, note=out.note)
 
     # ------------------------------------------------------------------ recovery
 
-    def _recover(self: ZeroOptimizer) -> str:
+    def _recover(self) -> str:
         """Finish a backward that raised on this rank as the other ranks finish theirs,
         then void the step; returns what happened. Its buckets are reduced as zeros and,
         if it was synced, the step check runs with this rank's problem flag, so every rank
         raises at the same collective."""
-        life = self._life
+        life = self.life
         problem = (f"the last backward raised on this rank (rank {self.rank}) before it "
                    f"finished; its gradients were dropped and this step is void on every rank")
-        for p in self.params.values():
+        for _, p in self.setup.named:
             p.grad = None
-        self._reducer.zero_()
+        self.engine.reducer.zero_()
         life.note_problem(problem)
         self._end_backward(aborted=True)
         synced = life.backward_synced
@@ -233,29 +291,28 @@ class BackwardSide:
             life.note_problem(problem)
         return problem
 
-    def _void_step(self: ZeroOptimizer) -> None:
+    def _void_step(self) -> None:
         """Drop everything this step gathered and start the next one; collectives it
         issued (a discarded or settled step's) become `trace`."""
-        self._clear_grads()
-        if self._recorder.pending:
-            self._recorder.close_step()
-        self._life.reset()
+        self.engine.zero_grads()
+        for _, p in self.setup.named:
+            p.grad = None
+        self.clearing.forget()
+        if self.recorder.pending:
+            self.recorder.close_step()
+        self.life.reset()
 
-    def _run_step_check(self: ZeroOptimizer, raise_problems: bool = True) -> GradStats:
+    def _run_step_check(self, raise_problems: bool = True) -> GradStats:
         """The step's one all-reduce; raises what any rank found, on every rank."""
-        life = self._life
+        life = self.life
         KEEPER.new_batch()
         # Clears since the last reduction (a zeroed placeholder, p.grad = None) apply now:
         # the norm, the step and has_grad see the gradients torch would hold.
-        for name in self._clearing.settle():
-            group = self.plan.locate(name)[0]
-            for off, n in self._runs[group].runs.get(name, ()):
-                self.groups[group].grad[off:off + n].zero_()
-        has_grad = [self._clearing.has_grad[n] for n in self._names]
+        self.engine.clear_grad_runs(self.clearing.settle())
+        has_grad = [self.clearing.has_grad[n] for n in self.names]
         try:
-            stats = self._step_check((st.grad for st in self.groups.values()),
-                                     life.record.presence, has_grad,
-                                     life.record.problem is not None, life.record.micro_batches)
+            stats = self.step_check(self.engine.grad_shards(), life.record.presence, has_grad,
+                                    life.record.problem is not None, life.record.micro_batches)
         except ZeroRuntimeError:
             life.failed()  # a presence mismatch, raised alike on every rank
             raise
@@ -267,12 +324,3 @@ class BackwardSide:
             return stats
         life.checked(stats)
         return stats
-
-    def _clear_grads(self: ZeroOptimizer) -> None:
-        """Zero the gradient shards (and stage 1's buffers); drop every `.grad`."""
-        for st in self.groups.values():
-            st.grad.zero_()
-        self._reducer.zero_()
-        for p in self.params.values():
-            p.grad = None
-        self._clearing.forget()

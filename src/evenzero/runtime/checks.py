@@ -137,17 +137,13 @@ def check_presence(counts: Sequence[float], names: Sequence[str], world: int,
                 f"count a missing gradient as zeros (like DDP's find_unused_parameters)")
 
 
-def backward_problems(read_early: Sequence[str], module: torch.nn.Module,
-                      managed: set[int], frozen: set[int] = frozenset()) -> list[str]:
-    """What this rank alone can see went wrong in the backward that just ended.
-    `frozen` holds the ids of parameters that were frozen when the optimizer was built."""
+def backward_problems(module: torch.nn.Module, managed: set[int],
+                      frozen: set[int] = frozenset()) -> list[str]:
+    """What this rank alone can see went wrong in the backward that just ended with
+    parameters it does not manage. `frozen` holds the ids of parameters that were frozen
+    when the optimizer was built. (A parameter read before its gather finished is the
+    gathers' own check: `ParamGathers.end_backward`.)"""
     problems = []
-    if read_early:
-        problems.append(
-            f"parameter {read_early[0]!r} was used in forward before the step's all-gather of "
-            f"it had finished (it was read outside the forward of a module that holds it); "
-            f"call opt.wait_for_params() before such a forward, or build ZeroOptimizer with "
-            f"overlap_param_gather=False")
     named = module.named_parameters() if _any_unmanaged_grad(module, managed) else ()
     for name, p in named:
         if p.grad is not None and id(p) not in managed and p.requires_grad:

@@ -34,7 +34,7 @@ from evenzero.runtime.buckets import PoolSlot
 from evenzero.runtime.collectives import LOCAL, PieceCollective, ReduceScatter, TraceRecorder
 from evenzero.runtime.gradclear import add_reduced
 from evenzero.runtime.routes import BucketRoute
-from evenzero.runtime.shards import GroupState
+from evenzero.runtime.shards import GroupShard
 
 
 class RouteExecutor(Protocol):
@@ -63,7 +63,7 @@ class DirectShardSync:
 
     bucketless = False
 
-    def __init__(self, route: BucketRoute, group: GroupState, reduce_scatter: ReduceScatter) -> None:
+    def __init__(self, route: BucketRoute, group: GroupShard, reduce_scatter: ReduceScatter) -> None:
         if route.direct_shard_offset is None or len(route.collectives) != 1:
             raise ValueError("DirectShardSync needs a route with a direct shard offset")
         self.route, self.group, self.rs = route, group, reduce_scatter
@@ -93,7 +93,7 @@ class ReplaySync:
 
     bucketless = False
 
-    def __init__(self, route: BucketRoute, group: GroupState, reduce_scatter: ReduceScatter) -> None:
+    def __init__(self, route: BucketRoute, group: GroupShard, reduce_scatter: ReduceScatter) -> None:
         self.route, self.group = route, group
         self.calls = [PieceCollective(c, group.rank, reduce_scatter) for c in route.collectives]
 
@@ -127,7 +127,7 @@ class ReplaySync:
 class LocalSync:
     """A group of one rank: no collective; the bucket is its own reduction."""
 
-    def __init__(self, route: BucketRoute, group: GroupState) -> None:
+    def __init__(self, route: BucketRoute, group: GroupShard) -> None:
         if group.size != 1:
             raise ValueError("LocalSync runs buckets of a group of one rank only")
         self.route, self.group = route, group
@@ -189,7 +189,7 @@ class LocalSync:
                 torch._foreach_add_(add_to, add_from, alpha=scale)
 
 
-def executor_for(route: BucketRoute, group: GroupState,
+def executor_for(route: BucketRoute, group: GroupShard,
                  reduce_scatter: ReduceScatter) -> RouteExecutor:
     """The executor of a route: local on a group of one, else `collective_executor_for`."""
     if group.size == 1:
@@ -197,7 +197,7 @@ def executor_for(route: BucketRoute, group: GroupState,
     return collective_executor_for(route, group, reduce_scatter)
 
 
-def collective_executor_for(route: BucketRoute, group: GroupState,
+def collective_executor_for(route: BucketRoute, group: GroupShard,
                             reduce_scatter: ReduceScatter) -> RouteExecutor:
     """The executor that issues a route's collectives: direct when the route allows it,
     else the replay."""

@@ -22,8 +22,8 @@ Backward start queues a callback on autograd's engine, which runs once the whole
 backward graph is done: that is where unfinished buckets are flushed. A root forward
 pre-hook tells the owner a forward begins (where a backward that raised is settled).
 
-The hooks hold their owner (the optimizer) only weakly: the model must not keep a
-dropped optimizer alive.
+The hooks hold their owner (the optimizer's backward driver) only weakly: the model
+must not keep a dropped optimizer alive.
 """
 
 from __future__ import annotations
@@ -45,17 +45,17 @@ _profiling = torch._C._autograd._profiler_enabled
 
 
 class BackwardObserver(Protocol):
-    """What the hooks report to (the optimizer)."""
+    """What the hooks report to (the optimizer's backward driver, `runtime/backward.py`)."""
 
-    def _backward_running(self) -> bool: ...
+    def backward_running(self) -> bool: ...
 
-    def _on_forward(self) -> None: ...
+    def on_forward(self) -> None: ...
 
-    def _on_backward_start(self) -> None: ...
+    def on_backward_start(self) -> None: ...
 
-    def _on_grad(self, name: str) -> None: ...
+    def on_grad(self, name: str) -> None: ...
 
-    def _on_backward_end(self) -> None: ...
+    def on_backward_end(self) -> None: ...
 
 
 def output_tensors(value: Any) -> list[torch.Tensor]:
@@ -131,7 +131,7 @@ class BackwardHooks:
     def _before_forward(self, _module, _args) -> None:
         owner = self._owner()
         if owner is not None:
-            owner._on_forward()
+            owner.on_forward()
             if self.clock is not None:
                 self.clock.forward_began()
 
@@ -161,8 +161,8 @@ class BackwardHooks:
         if owner is None or self._task == task or not _accumulates(grad_fn):
             return  # the parameter hooks took care of it, or it was torch.autograd.grad
         self._task = task
-        owner._on_backward_start()
-        owner._on_backward_end()
+        owner.on_backward_start()
+        owner.on_backward_end()
 
     def _hook(self, name: str, _param: torch.Tensor) -> None:
         # Runs once per parameter per backward: on a model of thousands of small
@@ -178,21 +178,21 @@ class BackwardHooks:
             self._run(owner, name)
 
     def _run(self, owner: BackwardObserver, name: str) -> None:
-        if not owner._backward_running():
+        if not owner.backward_running():
             self._task = torch._C._current_graph_task_id()
             torch.autograd.Variable._execution_engine.queue_callback(self._end)
-            owner._on_backward_start()
+            owner.on_backward_start()
         if self.clock is not None:
             self.clock.grad(name)
         if self.arrival is not None and name not in self._recorded:
             self._recorded.add(name)
             self.arrival.append(name)
-        owner._on_grad(name)
+        owner.on_grad(name)
 
     def _end(self) -> None:
         owner = self._owner()
         if owner is not None:
-            owner._on_backward_end()
+            owner.on_backward_end()
 
     def remove(self) -> None:
         for h in self.handles:

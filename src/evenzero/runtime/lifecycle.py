@@ -14,11 +14,16 @@ call every rank makes).
 
 A backward that raised never runs its end callback, so it is found lazily: the state
 is still BACKWARD while no autograd graph task runs on this thread (`is_dead_backward`).
+
+Beside it, whether the parameters may be read is one state too, `ParamState`, held by
+the step's gathers (`runtime/prefetch.py`, the only code that changes it):
+
+    READY --step launches the gathers--> GATHERING --wait()--> READY
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
@@ -46,6 +51,17 @@ class TrainingState(Enum):
     """The step check raised on every rank; only zero_grad() goes on."""
 
 
+class ParamState(Enum):
+    """Whether every parameter holds its value (the step's all-gathers are done)."""
+
+    READY = auto()
+    """Every parameter holds its current value; anything may read or write it."""
+    GATHERING = auto()
+    """The last step's all-gathers are in flight (`overlap_param_gather=True`): a
+    parameter may be read only inside the forward of a module that holds it, or after
+    the one wait (`ParamGathers.wait`, `opt.wait_for_params()`)."""
+
+
 STEPPABLE = frozenset({TrainingState.REDUCED, TrainingState.CHECKED})
 """States in which step() and clip_grad_norm_() run."""
 
@@ -67,10 +83,6 @@ class StepRecord:
 
     presence: list[float]
     """1.0 for each parameter (in registration order) that produced a gradient."""
-    read_early: list[str] = field(default_factory=list)
-    """Parameters whose gradient arrived while their gather was never waited for."""
-    stale_layouts: set = field(default_factory=set)
-    """Layouts whose gather no forward pre-hook waited for before this backward."""
     problem: str | None = None
     """A problem this rank alone found, raised at the step check on every rank."""
     stats: GradStats | None = None

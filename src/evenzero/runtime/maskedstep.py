@@ -18,11 +18,18 @@ the parameters of a shard are sorted into *classes* of identical scalar state
 Afterwards classes whose scalar state became equal merge again (SGD's parameters do
 after their first step; an Adam parameter that missed a step stays one behind, as in
 torch). The scalar state of a class is what `state_dict()` saves per parameter.
+
+One `MaskedStep` steps one group's shard (`GroupShard` owns it, `runtime/shards.py`).
+The inner optimizer sees that shard as its pieces, one tensor per layout (`pieces`),
+which together are the flat shard the runs describe, so that on the fast path the step
+can go layout by layout (`begin`, `step_pieces`, `finish`) and each layout's all-gather
+starts as soon as its piece holds the new values (`runtime/engine.py`). Elementwise
+optimizers give the same result whichever way a shard is cut into pieces.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,146 +73,213 @@ def split_state(state: Mapping[str, Any], numel: int) -> tuple[dict[str, torch.T
     return flats, scalars
 
 
-class MaskedStep:
-    """Steps an optimizer whose groups each hold one flat master shard, per parameter."""
+class SplitShard:
+    """Consecutive tensors that together are one flat shard (a group's pieces, or the
+    optimizer state of each piece): indexing over the whole, without concatenating it."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, masters: Mapping[str, torch.Tensor],
-                 runs: Mapping[str, ShardRuns]) -> None:
-        """`masters[g]` is the single parameter of one of `optimizer`'s groups;
-        `runs[g]` says which of its elements belong to which model parameter."""
-        self.optimizer, self.masters, self.runs = optimizer, dict(masters), dict(runs)
-        self._group = {}
-        for g, m in self.masters.items():
-            found = [pg for pg in optimizer.param_groups if any(p is m for p in pg["params"])]
-            if len(found) != 1 or len(found[0]["params"]) != 1:
-                raise ValueError(f"master of group {g!r} must be the only parameter of exactly "
-                                 f"one optimizer param group")
-            self._group[g] = found[0]
-        self.class_of: dict[str, dict[str, StateClass]] = {}
-        self._aliased: dict[str, StateClass | None] = {}
-        for g, r in self.runs.items():
-            fresh = StateClass()
-            self.class_of[g] = dict.fromkeys(r.names, fresh)
-            self._aliased[g] = None
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors = list(tensors)
+        self.starts = [0]
+        for t in self.tensors:
+            self.starts.append(self.starts[-1] + t.numel())
+
+    @property
+    def numel(self) -> int:
+        return self.starts[-1]
+
+    def _split(self, idx: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """(piece, its local indices) for sorted shard indices `idx`."""
+        if len(self.tensors) == 1:
+            return [(0, idx)]
+        cuts = torch.searchsorted(idx, torch.tensor(self.starts, device=idx.device)).tolist()
+        return [(i, idx[cuts[i]:cuts[i + 1]] - self.starts[i])
+                for i in range(len(self.tensors)) if cuts[i + 1] > cuts[i]]
+
+    def take(self, idx: torch.Tensor) -> torch.Tensor:
+        """A new tensor of the elements at sorted shard indices `idx`."""
+        parts = [self.tensors[i].index_select(0, local) for i, local in self._split(idx)]
+        if not parts:
+            return self.tensors[0].new_empty(0)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def put_(self, idx: torch.Tensor, values: torch.Tensor) -> None:
+        """Write `values` at sorted shard indices `idx` (the inverse of `take`)."""
+        pos = 0
+        for i, local in self._split(idx):
+            self.tensors[i].index_copy_(0, local, values[pos:pos + local.numel()])
+            pos += local.numel()
+
+
+class MaskedStep:
+    """Steps one optimizer param group, whose parameters are one flat shard's pieces, per
+    model parameter."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, pieces: Sequence[torch.Tensor],
+                 runs: ShardRuns) -> None:
+        """`pieces` are exactly the parameters of one of `optimizer`'s param groups, in
+        shard order; `runs` says which elements of their concatenation belong to which
+        model parameter."""
+        self.optimizer, self.pieces, self.runs = optimizer, list(pieces), runs
+        self.shard = SplitShard(self.pieces)
+        if self.shard.numel != runs.numel:
+            raise ValueError(f"the pieces hold {self.shard.numel} elements, the runs describe "
+                             f"{runs.numel}")
+        ids = sorted(map(id, self.pieces))
+        found = [pg for pg in optimizer.param_groups if sorted(map(id, pg["params"])) == ids]
+        if len(found) != 1:
+            raise ValueError("the pieces must be exactly the parameters of one optimizer param "
+                             "group")
+        self.group = found[0]
+        fresh = StateClass()
+        self.class_of: dict[str, StateClass] = dict.fromkeys(runs.names, fresh)
+        self._loaded: StateClass | None = None
+        """The class whose scalar state the optimizer's state holds now (by reference)."""
+        self._fast: tuple[StateClass, Sequence[torch.Tensor]] | None = None
 
     # ------------------------------------------------------------------ stepping
 
     @torch.no_grad()
-    def step(self, grads: Mapping[str, torch.Tensor], present: Iterable[str],
-             active: Iterable[str] = ()) -> list[str]:
-        """Step with `grads[g]` as each master's gradient, touching only parameters in
-        `present`. Returns the groups in which something was stepped here. `active`
-        names the groups stepped on some rank: one with nothing present on this rank
-        still gets its optimizer-state tensors, so every rank of a group holds the same
-        kinds of state (what checkpoints gather)."""
-        present = set(present)
-        fast, slow = [], []
-        for g, r in self.runs.items():
-            here = [n for n in r.names if n in present]
-            if not here:
-                if g in active:
-                    self._materialize(g)
-                continue
-            classes = {id(self.class_of[g][n]) for n in here}
-            (fast if len(classes) == 1 and len(here) == len(r.names) else slow).append(g)
-        if fast:
-            for g in fast:
-                self._load(g, self.class_of[g][self.runs[g].names[0]])
-            self._step_groups({g: (self.masters[g], grads[g]) for g in fast})
-            for g in fast:
-                self._store(g, self.class_of[g][self.runs[g].names[0]])
-        for g in slow:
-            self._step_slow(g, grads[g], present)
-        return fast + slow
+    def step(self, grads: Sequence[torch.Tensor], present: Iterable[str],
+             active: bool = False) -> bool:
+        """One whole step with `grads` (one per piece) as the shard's gradient; returns
+        whether anything was stepped here (see `begin`)."""
+        present = present if isinstance(present, (set, frozenset)) else set(present)
+        if self.begin(grads, present, active):
+            self.step_pieces(range(len(self.pieces)))
+            self.finish()
+        return any(n in present for n in self.runs.names)
 
-    def _step_groups(self, which: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """One optimizer step in which only `which` (group -> (param, grad)) move; the
-        param temporarily replaces the group's master when they differ."""
-        saved = []
-        for g, m in self.masters.items():
-            pg = self._group[g]
-            saved.append((pg, pg["params"], m.grad))
-            m.grad = None
-            if g in which:
-                p, grad = which[g]
-                pg["params"] = [p]
-                p.grad = grad
+    @torch.no_grad()
+    def begin(self, grads: Sequence[torch.Tensor], present: Iterable[str],
+              active: bool = False) -> bool:
+        """Start a step with `grads` (one per piece), touching only parameters in
+        `present`. True: the fast path (every parameter here present, all in one
+        class); the caller then steps every piece once with `step_pieces`, in any order,
+        and calls `finish`. False: the step is already done. `active` says that the group
+        stepped on some rank: with nothing present here it still gets its optimizer-state
+        tensors, so every rank of a group holds the same kinds of state (what checkpoints
+        gather)."""
+        present = present if isinstance(present, (set, frozenset)) else set(present)
+        here = [n for n in self.runs.names if n in present]
+        if not here:
+            if active:
+                self._materialize()
+            return False
+        cls = self.class_of[here[0]]
+        if len(here) == len(self.runs.names) and all(self.class_of[n] is cls for n in here):
+            self._load(cls)
+            self._fast = (cls, grads)
+            return True
+        self._step_slow(grads, present)
+        return False
+
+    @torch.no_grad()
+    def step_pieces(self, indices: Iterable[int]) -> None:
+        """The fast path: step the pieces at `indices` (each piece once per step)."""
+        _, grads = self._fast
+        indices = list(indices)
+        self._step_tensors([self.pieces[i] for i in indices], [grads[i] for i in indices])
+
+    def finish(self) -> None:
+        """The fast path: every piece was stepped."""
+        cls, _ = self._fast
+        self._fast = None
+        self._store(cls)
+
+    def _step_tensors(self, tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+        """One optimizer step in which only `tensors` move (every other parameter of the
+        optimizer has no gradient outside a step)."""
+        for t, g in zip(tensors, grads, strict=True):
+            t.grad = g
         try:
             self.optimizer.step()
         finally:
-            for pg, params, grad in saved:
-                for p in pg["params"]:
-                    p.grad = None
-                pg["params"] = params
-                params[0].grad = grad
+            for t in tensors:
+                t.grad = None
 
-    def _materialize(self, g: str) -> None:
-        """Create group `g`'s state tensors without stepping anything: step a copy of
-        the master with a zero gradient and empty state, then put the master back. The
-        state's values belong to parameters that stay "never stepped" here."""
-        m = self.masters[g]
-        state = self.optimizer.state[m]
-        if split_state(state, m.numel())[0]:
+    def _step_sub(self, sub: torch.Tensor, grad: torch.Tensor) -> None:
+        """One optimizer step of `sub` alone, standing in for the group's pieces."""
+        params = self.group["params"]
+        self.group["params"] = [sub]
+        try:
+            self._step_tensors([sub], [grad])
+        finally:
+            self.group["params"] = params
+
+    def _materialize(self) -> None:
+        """Create the state tensors without stepping anything: step the pieces with a
+        zero gradient and empty state, then put their values back. The state's values
+        belong to parameters that stay "never stepped" here."""
+        state = self.optimizer.state
+        if self._flats():
             return
-        keep = m.detach().clone()
-        state.clear()
-        self._aliased[g] = None
-        self._step_groups({g: (m, torch.zeros_like(m))})
-        m.copy_(keep)
-        for key in list(split_state(state, m.numel())[1]):
-            del state[key]
+        keep = [t.detach().clone() for t in self.pieces]
+        for t in self.pieces:
+            state[t].clear()
+        self._loaded = None
+        self._step_tensors(self.pieces, [torch.zeros_like(t) for t in self.pieces])
+        for t, k in zip(self.pieces, keep, strict=True):
+            t.copy_(k)
+            for key in list(split_state(state[t], t.numel())[1]):
+                del state[t][key]
 
-    def _load(self, g: str, cls: StateClass) -> None:
-        """Make `cls` the scalar state the optimizer sees for group `g`'s master."""
-        if self._aliased[g] is cls:
+    def _flats(self) -> dict[str, SplitShard]:
+        """The shard-shaped optimizer state, key by key, over the pieces."""
+        per = [split_state(self.optimizer.state.get(t, {}), t.numel())[0] for t in self.pieces]
+        return {k: SplitShard([p[k] for p in per]) for k in per[0] if all(k in p for p in per)}
+
+    def _load(self, cls: StateClass) -> None:
+        """Make `cls` the scalar state the optimizer sees for every piece."""
+        if self._loaded is cls:
             return
-        m = self.masters[g]
-        state = self.optimizer.state[m]
-        flats, scalars = split_state(state, m.numel())
-        state.clear()
-        if not cls.fresh:
-            state.update(flats)
-            state.update({k: _clone(v) for k, v in cls.scalars.items()})
-        self._aliased[g] = None
+        for t in self.pieces:
+            state = self.optimizer.state[t]
+            flats, _ = split_state(state, t.numel())
+            state.clear()
+            if not cls.fresh:
+                state.update(flats)
+                state.update({k: _clone(v) for k, v in cls.scalars.items()})
+        self._loaded = None
 
-    def _store(self, g: str, cls: StateClass) -> None:
-        m = self.masters[g]
+    def _store(self, cls: StateClass) -> None:
         cls.fresh = False
-        cls.scalars = split_state(self.optimizer.state[m], m.numel())[1]
-        self._aliased[g] = cls
+        first = self.pieces[0]
+        cls.scalars = split_state(self.optimizer.state[first], first.numel())[1]
+        self._loaded = cls
 
-    def _step_slow(self, g: str, grad: torch.Tensor, present: set[str]) -> None:
-        runs, m = self.runs[g], self.masters[g]
+    def _step_slow(self, grads: Sequence[torch.Tensor], present: set[str]) -> None:
+        runs, shard = self.runs, self.shard
+        device = self.pieces[0].device
+        grad = SplitShard(grads)
         members: dict[int, list[str]] = {}
         classes: dict[int, StateClass] = {}
         for n in runs.names:
             if n in present:
-                cls = self.class_of[g][n]
+                cls = self.class_of[n]
                 members.setdefault(id(cls), []).append(n)
                 classes[id(cls)] = cls
         order = sorted(members, key=lambda c: -runs.covered(members[c]))
         lead, others = order[0], order[1:]
         lead_names = set(members[lead])
         keep = [n for n in runs.names if n not in lead_names]  # not stepped with the lead
-        keep_idx = _index(runs, keep, m.device)
-        state = self.optimizer.state[m]
-        flats, _ = split_state(state, m.numel())
-        saved = {"": m.index_select(0, keep_idx)}
-        saved.update({k: v.index_select(0, keep_idx) for k, v in flats.items()})
+        keep_idx = _index(runs, keep, device)
+        flats = self._flats()
+        saved = {"": shard.take(keep_idx)}
+        saved.update({k: v.take(keep_idx) for k, v in flats.items()})
 
         # The other present classes, each on a gathered copy of its own runs.
         results = []
         for c in others:
-            idx = _index(runs, members[c], m.device)
+            idx = _index(runs, members[c], device)
             cls = classes[c]
-            sub = m.index_select(0, idx)
-            sub_state = {} if cls.fresh else {k: v.index_select(0, idx) for k, v in flats.items()}
+            sub = shard.take(idx)
+            sub_state = {} if cls.fresh else {k: v.take(idx) for k, v in flats.items()}
             if not cls.fresh:
                 sub_state.update({k: _clone(v) for k, v in cls.scalars.items()})
-            self._aliased[g] = None
+            self._loaded = None
             self.optimizer.state[sub] = sub_state
             try:
-                self._step_groups({g: (sub, grad.index_select(0, idx))})
+                self._step_sub(sub, grad.take(idx))
             finally:
                 sub_state = self.optimizer.state.pop(sub)
             sub_flats, sub_scalars = split_state(sub_state, sub.numel())
@@ -213,103 +287,108 @@ class MaskedStep:
 
         # The lead class on the whole shard. If some of its members are absent, the
         # optimizer must step a copy of its scalar state, not the state they keep.
-        if len(lead_names) < sum(1 for c in self.class_of[g].values() if c is classes[lead]):
-            self._aliased[g] = None
-        self._load(g, classes[lead])
-        self._step_groups({g: (m, grad)})
-        lead_cls = self._assign(g, classes[lead], members[lead])
+        if len(lead_names) < sum(1 for c in self.class_of.values() if c is classes[lead]):
+            self._loaded = None
+        self._load(classes[lead])
+        self._step_tensors(self.pieces, grads)
+        lead_cls = self._assign(classes[lead], members[lead])
         if lead_cls is classes[lead]:
-            self._store(g, lead_cls)
+            self._store(lead_cls)
         else:
+            first = self.pieces[0]
             lead_cls.fresh, lead_cls.scalars = False, {
-                k: _clone(v) for k, v in split_state(state, m.numel())[1].items()}
+                k: _clone(v) for k, v in split_state(self.optimizer.state[first],
+                                                     first.numel())[1].items()}
 
         # Put back what the lead step must not have changed, then the others' results.
-        flats, _ = split_state(state, m.numel())
-        m.index_copy_(0, keep_idx, saved[""])
+        flats = self._flats()
+        shard.put_(keep_idx, saved[""])
         for k, v in flats.items():
             if k in saved:
-                v.index_copy_(0, keep_idx, saved[k])
+                v.put_(keep_idx, saved[k])
         for idx, names, cls, sub, sub_flats, sub_scalars in results:
-            m.index_copy_(0, idx, sub)
+            shard.put_(idx, sub)
             for k, v in sub_flats.items():
                 if k in flats:
-                    flats[k].index_copy_(0, idx, v)
-            new = self._assign(g, cls, names)
+                    flats[k].put_(idx, v)
+            new = self._assign(cls, names)
             new.fresh, new.scalars = False, sub_scalars
-        self._merge(g)
+        self._merge()
 
-    def _assign(self, g: str, cls: StateClass, stepped: list[str]) -> StateClass:
+    def _assign(self, cls: StateClass, stepped: list[str]) -> StateClass:
         """The class object the stepped members of `cls` belong to from now on: `cls`
         itself if all of its members stepped, else a new one (the rest stay in `cls`)."""
-        everyone = [n for n, c in self.class_of[g].items() if c is cls]
+        everyone = [n for n, c in self.class_of.items() if c is cls]
         if len(everyone) == len(stepped):
             return cls
         new = StateClass(cls.fresh, dict(cls.scalars))
         for n in stepped:
-            self.class_of[g][n] = new
+            self.class_of[n] = new
         return new
 
-    def _merge(self, g: str) -> None:
+    def _merge(self) -> None:
         """Classes whose scalar state became equal are one class again."""
         by_key: dict[tuple, StateClass] = {}
-        for n, cls in self.class_of[g].items():
+        for n, cls in self.class_of.items():
             first = by_key.setdefault(cls.key(), cls)
             if first is not cls:
-                self.class_of[g][n] = first
-                if self._aliased[g] is cls:
-                    self._aliased[g] = None
+                self.class_of[n] = first
+                if self._loaded is cls:
+                    self._loaded = None
 
     # ------------------------------------------------------------------ state
 
-    def param_state(self, group: str) -> dict[str, dict[str, Any]]:
+    def param_state(self) -> dict[str, dict[str, Any]]:
         """Per parameter of this shard: its scalar state ({} if never stepped)."""
         return {n: {k: _clone(v) for k, v in cls.scalars.items()}
-                for n, cls in self.class_of[group].items()}
+                for n, cls in self.class_of.items()}
 
-    def stepped(self, group: str) -> set[str]:
+    def stepped(self) -> set[str]:
         """Parameters of this shard stepped at least once. `param_state` alone cannot
         say so for an optimizer without scalar state (SGD with momentum: `{}` either way)."""
-        return {n for n, cls in self.class_of[group].items() if not cls.fresh}
+        return {n for n, cls in self.class_of.items() if not cls.fresh}
 
-    def load_param_state(self, group: str, states: Mapping[str, Mapping[str, Any]],
+    def load_param_state(self, states: Mapping[str, Mapping[str, Any]],
                          stepped: Iterable[str] = ()) -> None:
         """Restore per-parameter scalar state; `{}` means never stepped, unless the
         parameter is in `stepped`. Parameters with equal state share a class, so a
         uniform state steps on the fast path."""
-        runs = self.runs[group]
-        missing = sorted(set(runs.names) - set(states))
+        missing = sorted(set(self.runs.names) - set(states))
         if missing:
-            raise KeyError(f"no optimizer state for parameter(s) {missing[:5]} of group {group!r}")
+            raise KeyError(f"no optimizer state for parameter(s) {missing[:5]}")
         stepped = set(stepped)
         by_key: dict[tuple, StateClass] = {}
-        for n in runs.names:
+        for n in self.runs.names:
             s = states[n]
             cls = StateClass(not s and n not in stepped, {k: _clone(v) for k, v in s.items()})
-            self.class_of[group][n] = by_key.setdefault(cls.key(), cls)
-        self._aliased[group] = None
+            self.class_of[n] = by_key.setdefault(cls.key(), cls)
+        self._loaded = None
 
-    def take_state_of(self, previous: MaskedStep, world_group) -> None:
-        """Per-parameter state of `previous` (the stepper of the plan before a re-layout)
-        for these runs. A rank may now own runs of parameters whose scalar state only
-        other ranks kept, so every rank shares what it has: collective over `world_group`."""
-        mine = {g: (previous.param_state(g), previous.stepped(g)) for g in previous.runs}
-        every: list = [None] * dist.get_world_size(world_group)
-        dist.all_gather_object(every, mine, group=world_group)
-        for g, runs in self.runs.items():
-            theirs = [e.get(g, ({}, set())) for e in every]
-            known = {n: s for states, _ in theirs for n, s in states.items()}
-            stepped = set().union(*(done for _, done in theirs))
-            self.load_param_state(g, {n: known.get(n, {}) for n in runs.names}, stepped)
-
-    def step_counts(self, group: str) -> dict[str, int]:
+    def step_counts(self) -> dict[str, int]:
         """Per parameter of this shard: how many times it was stepped, where the
         optimizer keeps a `step` (0 if never stepped)."""
         out = {}
-        for n, cls in self.class_of[group].items():
+        for n, cls in self.class_of.items():
             step = cls.scalars.get("step", 0)
             out[n] = int(step.item() if isinstance(step, torch.Tensor) else step)
         return out
+
+
+def share_param_state(previous: Mapping[str, MaskedStep], world_group
+                      ) -> dict[str, tuple[dict[str, dict[str, Any]], set[str]]]:
+    """Per group, every parameter's scalar state and whether it was stepped, from the
+    steppers of the plan before a re-layout, as all ranks together know them: a rank may
+    now own runs of parameters whose scalar state only other ranks kept, so every rank
+    shares what it has. Collective over `world_group`."""
+    mine = {g: (s.param_state(), s.stepped()) for g, s in previous.items()}
+    every: list = [None] * dist.get_world_size(world_group)
+    dist.all_gather_object(every, mine, group=world_group)
+    out = {}
+    for g in previous:
+        theirs = [e.get(g, ({}, set())) for e in every]
+        out[g] = ({n: s for states, _ in theirs for n, s in states.items()},
+                  set().union(*(done for _, done in theirs)))
+    return out
 
 
 def _index(runs: ShardRuns, names: Iterable[str], device: torch.device) -> torch.Tensor:

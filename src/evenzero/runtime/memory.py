@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from evenzero.runtime.shardedgrad import ShardedGrad
+from evenzero.runtime.shards import GroupShard
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,9 @@ class MemoryReport:
     pending_grads: int
     """`param.grad` tensors not backed by the engine's buffers (e.g. under no_sync)."""
     master_weights: int
-    """fp32 master shards."""
+    """Master shards with memory of their own: bf16/fp16 parameters' fp32 masters. 0 for
+    groups whose masters are the parameters' own memory (master dtype = parameter
+    dtype, e.g. fp32 training: `runtime/shards.py`)."""
     optimizer_state: int
     """Tensors in the inner optimizer's state (Adam moments, ...)."""
     parameters: int
@@ -39,22 +42,21 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def measure(groups: Iterable, reducer, params: Iterable[torch.nn.Parameter],
-            optimizer: torch.optim.Optimizer, flat) -> MemoryReport:
-    """Measure the engine's current holdings: group states (master and grad shards), the
-    gradient reducer's buffers, stray `.grad` tensors, optimizer state and flat params."""
+def measure(groups: Iterable[GroupShard], reducer, params: Iterable[torch.nn.Parameter],
+            flat) -> MemoryReport:
+    """Measure the engine's current holdings: each group shard's masters, gradient shard
+    and optimizer state, the gradient reducer's buffers, stray `.grad` tensors and the
+    flat parameter buffers."""
     groups = list(groups)
     held = reducer.held_grads()
     pending = sum(_nbytes(p.grad) for p in params
                   if p.grad is not None and not isinstance(p.grad, ShardedGrad)
                   and p.grad.data_ptr() not in held)
-    state = sum(_nbytes(v) for s in optimizer.state.values() for v in s.values()
-                if torch.is_tensor(v))
     return MemoryReport(
-        gradient_shards=sum(_nbytes(g.grad) for g in groups),
+        gradient_shards=sum(g.grad_nbytes() for g in groups),
         gradient_buffers=reducer.nbytes(),
         pending_grads=pending,
-        master_weights=sum(_nbytes(g.master) for g in groups),
-        optimizer_state=state,
+        master_weights=sum(g.master_nbytes() for g in groups),
+        optimizer_state=sum(g.state_nbytes() for g in groups),
         parameters=flat.nbytes(),
         bucket_pool=reducer.kept_pool_nbytes())

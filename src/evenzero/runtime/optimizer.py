@@ -6,8 +6,9 @@
 Lifecycle of one step:
 
 1. construction: every rank checks and agrees on the model, plans it (arrival order
-   assumed to be reverse registration), re-points the parameters into flat per-layout
-   buffers and copies its 1/N slice into fp32 master shards;
+   assumed to be reverse registration) and re-points the parameters into flat
+   per-layout buffers; its 1/N slice of each buffer is its master shard (fp32
+   parameters), or is copied into fp32 master shards (bf16/fp16 parameters);
 2. the first backward only records the real gradient-arrival order; at its end rank 0's
    order is adopted everywhere and, if it differs, the model is re-planned and
    re-laid-out once; then all buckets are reduced in plan order;
@@ -16,16 +17,24 @@ Lifecycle of one step:
 4. `clip_grad_norm_` / `step`: one small all-reduce over the world carries the squared
    norm, the overflow flag, a presence bit per parameter and a flag for problems a rank
    found alone in backward (raised there on every rank); then the inner optimizer
-   steps the master shards and each layout's all-gather is launched, in forward order;
+   steps the master shards layout by layout, in forward order, and each layout's
+   all-gather is launched as soon as its shard is stepped (`runtime/engine.py`), so the
+   gathers overlap the rest of the step, which then waits for them;
 5. with `overlap_param_gather=True` the step returns without waiting and each module
    waits for the gathers of its own parameters in a forward pre-hook, so they overlap
    the next forward (`runtime/prefetch.py`); read parameters outside their modules'
    forward only after `opt.wait_for_params()` (`opt.module`, `state_dict()` and the
    optimizer's own methods wait by themselves).
 
-Where the optimizer is in that cycle is one `TrainingState` (`runtime/lifecycle.py`);
-the backward side, including recovery from a backward that raised on some ranks only,
-is `runtime/backward.py`; what happens at exit and when the optimizer is dropped is
+`ZeroOptimizer` is the torch face; it delegates to parts, each in its own module: the
+plan and its one `replan` (`runtime/planholder.py`); what executes the plan, with the
+step (`runtime/engine.py`), each group's sharded state in one `GroupShard`
+(`runtime/shards.py`); the backward side, including the step check and recovery from a
+backward that raised on some ranks only (`runtime/backward.py`, which the hooks hold
+weakly); the state dicts and the checkpoint protocol (`runtime/statedict.py`); the
+parameter gathers (`runtime/prefetch.py`). Where the optimizer is in its cycle is one
+`TrainingState`, and whether parameters may be read is one `ParamState`
+(`runtime/lifecycle.py`); what happens at exit and when the optimizer is dropped is
 `runtime/teardown.py`. Profiler labels "evenzero::..." mark the backward hook, bucket
 copy, launch, wait, accumulate, step check, step and gather.
 
@@ -61,11 +70,12 @@ add_param_group() (the shard layout is planned once).
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
-from time import perf_counter
 from typing import Any
 
 import torch
@@ -73,42 +83,42 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from evenzero.plan import Plan, Schedule
-from evenzero.runtime.backward import BackwardSide
+from evenzero.runtime.backward import BackwardDriver
 from evenzero.runtime.backwardclock import RefinementSchedule
-from evenzero.runtime.buckets import FlatParams
-from evenzero.runtime.checks import ZeroConfigError, ZeroRuntimeError
+from evenzero.runtime.checks import ZeroConfigError
 from evenzero.runtime.collectives import (
     REDUCE_SCATTERS,
     TraceRecorder,
     default_reduce_scatter_algorithm,
 )
 from evenzero.runtime.config import ZeroConfig
+from evenzero.runtime.engine import ShardEngine
 from evenzero.runtime.gradclear import ClearTracker
 from evenzero.runtime.gradstats import StepCheck, StepCheckConfig
-from evenzero.runtime.hooks import BackwardHooks
 from evenzero.runtime.innerstep import choose_inner_step
-from evenzero.runtime.lifecycle import Lifecycle, TrainingState
-from evenzero.runtime.maskedstep import MaskedStep
-from evenzero.runtime.memory import MemoryReport, measure
-from evenzero.runtime.paramwrites import adopt_replaced, refresh_masters
-from evenzero.runtime.precision import as_dtype, loss_scaler_for
-from evenzero.runtime.prefetch import ParamPrefetch
-from evenzero.runtime.reducer import GradientReducer, ReducerConfig, keeps_pool
-from evenzero.runtime.routes import plan_routes
-from evenzero.runtime.setup import broadcast_initial_state, establish, make_plan
+from evenzero.runtime.memory import MemoryReport
+from evenzero.runtime.planholder import PlanHolder
+from evenzero.runtime.precision import LossScaler, ScalerSlot, as_dtype, loss_scaler_for
+from evenzero.runtime.prefetch import ParamGathers
+from evenzero.runtime.reducer import ReducerConfig, keeps_pool
+from evenzero.runtime.setup import (
+    broadcast_initial_state,
+    establish,
+    tunes_bucket_size,
+)
 from evenzero.runtime.shardedgrad import drop_placeholders, placeholders
-from evenzero.runtime.shardruns import ShardRuns
-from evenzero.runtime.shards import GroupState, gather_order, load_masters, reshard_group
-from evenzero.runtime.statedict import ShardStateSide
+from evenzero.runtime.shards import GroupShard, Placement
+from evenzero.runtime.statedict import StateDictIO
 from evenzero.runtime.teardown import Resources, claim, release_with
+from evenzero.spec import ModelSpec
 
 
-class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
+class ZeroOptimizer(torch.optim.Optimizer):
     """Shards gradients (stage 2) and optimizer state (stages 1, 2) over data-parallel ranks.
 
     A `torch.optim.Optimizer`: `param_groups` are the user's groups of model parameters
     with their hyperparameters (an LR scheduler drives them; a change applies at the next
-    step); the inner `optimizer_class` instance that steps the flat master shards is an
+    step); the inner `optimizer_class` instance that steps the master shards is an
     implementation detail.
 
     Args:
@@ -148,12 +158,8 @@ class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
         self.rank = dist.get_rank(self.world_group)
         setup = establish(module, optimizer_class, param_groups, self.config, expert_groups,
                           self.world_group, kwargs, config_error)
-        self._setup = setup
-        self.spec = setup.spec
         self.params = dict(setup.named)
-        self._names = tuple(n for n, _ in setup.named)
-        self._index = {n: i for i, n in enumerate(self._names)}
-        self._managed = {id(p) for p in self.params.values()}
+        self._control_device = setup.control_device
 
         cfg = self.config
         master_dtype = as_dtype(cfg.master_dtype, "master_dtype")
@@ -162,126 +168,126 @@ class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
         self.reduce_scatter_algorithm = (cfg.reduce_scatter_algorithm or
                                          default_reduce_scatter_algorithm(backend, setup.device.type))
         param_dtypes = {g.name: g.params[0].dtype for g in setup.groups}
-        self.loss_scaler = loss_scaler_for(cfg.loss_scale, cfg.loss_scale_config,
-                                            list(param_dtypes.values()))
+        self._scaler = ScalerSlot(loss_scaler_for(cfg.loss_scale, cfg.loss_scale_config,
+                                                  list(param_dtypes.values())))
 
-        # perf (issue 17): the inner optimizer's implementation, before the plan names it.
+        # The inner optimizer's implementation (runtime/innerstep.py), before the plan names it.
         inner_step = choose_inner_step(optimizer_class, kwargs, [g.options for g in setup.groups],
                                        setup.device, master_dtype, cfg.optimizer_impl)
         self.config = cfg = replace(cfg, optimizer_impl=inner_step.impl)
         broadcast_initial_state(module, setup.groups, self.world_group)
         # Parameters frozen now are not managed; unfreezing one later is named at the step.
-        self._frozen = {id(p) for p in module.parameters() if not p.requires_grad}
-        plan = make_plan(self.spec, self.world_size, cfg, setup.group_sizes, setup.device)
-        self.groups: dict[str, GroupState] = {}
-        for g in setup.groups:
-            n = plan.shard_numel(g.name)
-            self.groups[g.name] = GroupState(
-                g.name, g.process_group, setup.group_sizes[g.name], setup.group_ranks[g.name],
-                param_dtypes[g.name], reduce_dtype or param_dtypes[g.name],
-                torch.zeros(n, dtype=master_dtype, device=setup.device),
-                torch.zeros(n, dtype=master_dtype, device=setup.device), g.options)
+        frozen = {id(p) for p in module.parameters() if not p.requires_grad}
+        self._plans = PlanHolder(setup.spec, self.world_size, cfg, setup.group_sizes, setup.device)
+        shards = {g.name: GroupShard(g.name, g.process_group, setup.group_sizes[g.name],
+                                     setup.group_ranks[g.name], param_dtypes[g.name],
+                                     reduce_dtype or param_dtypes[g.name], master_dtype,
+                                     g.options, Placement.on(setup.device))
+                  for g in setup.groups}
         self._placeholders = placeholders(setup.named)
-        self._clearing = ClearTracker(self.params, self._placeholders)
-        self._loss_scaled = False
+        clearing = ClearTracker(self.params, self._placeholders)
         self._recorder = TraceRecorder()
-        self._step_check = StepCheck(StepCheckConfig(self._names, self.world_group,
-                                                     self.world_size, setup.control_device,
-                                                     cfg.allow_partial_grads), self._recorder)
-        self._life = Lifecycle(len(self._names))
-        self._prefetch = ParamPrefetch(module, self.params)
-        self._stepper: MaskedStep | None = None
-        self._install(plan, previous=None)
-        self._inner = optimizer_class(
-            [{"params": [self.groups[g.name].master], **self.groups[g.name].options}
-             for g in plan.groups], **inner_step.kwargs)
-        self._inner_groups = {g.name: pg for g, pg in zip(plan.groups, self._inner.param_groups,
-                                                          strict=True)}
-        self._stepper = MaskedStep(self._inner, self._masters(), self._runs)
+        self._gathers = ParamGathers(module, self.params)
+        self._engine = ShardEngine(
+            self._plans.plan, self.params, setup.group_ranks, shards,
+            partial(optimizer_class, **inner_step.kwargs),
+            ReducerConfig(cfg.stage, self.world_size, cfg.max_buckets_in_flight, setup.device,
+                          REDUCE_SCATTERS[self.reduce_scatter_algorithm], self._scaler.scale,
+                          keeps_pool(setup.device)),
+            self._recorder, clearing, self._gathers, self.world_group)
+        self._plans.bind(self._engine)
         # The torch face: the user's groups, every option filled in from the inner
         # optimizer's defaults, as torch fills them.
         self._constructing = True
         torch.optim.Optimizer.__init__(
             self, [{"params": list(g.params), **g.options} for g in setup.groups],
-            dict(self._inner.defaults))
+            dict(self._engine.inner.defaults))
         self._constructing = False
         self.step_count = 0
         self.last_step_skipped = False
-        self._hooks = BackwardHooks(module, setup.named, self)
-        self._hooks.record_arrival()
-        # bucket_numel "auto": refined once, after the first backwards (backwardclock.py).
-        self._refine = RefinementSchedule(cfg.auto_bucket and cfg.strategy == "evenzero" and
-                                          any(st.size > 1 for st in self.groups.values()))
-        self._hooks.clock = self._refine.clock
         # Finished work and hooks are released when this object goes away, at the latest
         # at interpreter exit (runtime/teardown.py), or by close(); nothing the model holds
         # refers to it.
         self._resources = Resources()
-        self._resources.on_close(self._prefetch.remove)
-        self._resources.on_close(self._hooks.remove)
+        # bucket_numel "auto": refined once, after the first backwards (backwardclock.py).
+        refine = RefinementSchedule(cfg.auto_bucket and tunes_bucket_size(cfg.strategy) and
+                                    any(st.size > 1 for st in shards.values()))
+        self._backward = BackwardDriver(
+            module, setup, frozen, self.world_group, self.rank, self.reduce_scatter_algorithm,
+            self._plans, self._engine, self._gathers, clearing, self._recorder,
+            StepCheck(StepCheckConfig(tuple(self.params), self.world_group, self.world_size,
+                                      setup.control_device, cfg.allow_partial_grads),
+                      self._recorder),
+            self._scaler, refine, self._resources)
+        self._states = StateDictIO(self._plans, self._engine, self._backward, self._scaler,
+                                   self.params, self.world_group, self.world_size, self.rank)
+        self._resources.on_close(self._gathers.remove)
+        self._resources.on_close(self._backward.hooks.remove)
         self._resources.on_close(claim(list(self.params.values()), self))
         self._resources.on_close(partial(drop_placeholders, self.params))
         release_with(self, self._resources)
 
-    # ------------------------------------------------------------------ the plan
+    # ------------------------------------------------------------------ what it runs
 
-    def _masters(self) -> dict[str, torch.Tensor]:
-        return {name: st.master for name, st in self.groups.items()}
+    @property
+    def plan(self) -> Plan:
+        """The executed plan: groups, layouts, buckets and collectives."""
+        return self._plans.plan
 
-    def _install(self, plan: Plan, previous: Plan | None) -> None:
-        """Make `plan` the executed one: routes, flat buffers, masters, reducer."""
-        self._prefetch.wait_all()
-        routes = plan_routes(plan, dict(self._setup.group_ranks))
-        self._runs = {g: ShardRuns.of(plan, g, st.rank) for g, st in self.groups.items()}
-        if previous is None or plan.layouts != previous.layouts:
-            self._flat = FlatParams(plan, self.params, dict(self._setup.group_ranks))
-            for st in self.groups.values():
-                if previous is None:
-                    load_masters(plan, self._flat, st)
-                    continue
-                reshard_group(self._inner, previous, plan, st)
-            if self._stepper is not None:
-                self._stepper = self._restepper()
-        self.plan = plan
-        self._reducer = GradientReducer(
-            routes, self.params, self.groups,
-            ReducerConfig(self.config.stage, self.world_size, self.config.max_buckets_in_flight,
-                          self._setup.device, REDUCE_SCATTERS[self.reduce_scatter_algorithm],
-                          partial(getattr, self.loss_scaler, "scale"),
-                          keeps_pool(self._setup.device)),
-            self._recorder, self._clearing, self._runs)
-        self._prefetch.bind(plan, self._flat, self.groups, gather_order(plan, self.groups))
+    @property
+    def spec(self) -> ModelSpec:
+        """The planner's view of the model, with the agreed arrival order."""
+        return self._plans.spec
 
-    def _restepper(self) -> MaskedStep:
-        """The per-parameter stepper for new shard runs. A rank may now own runs of
-        parameters whose scalar state (step counts) only other ranks kept: every rank
-        shares what it has (a collective, only once something was stepped)."""
-        stepper = MaskedStep(self._inner, self._masters(), self._runs)
-        if self.step_count == 0 and not getattr(self, "_stepped_outside_step", False):
-            return stepper
-        stepper.take_state_of(self._stepper, self.world_group)
-        return stepper
+    @property
+    def groups(self) -> Mapping[str, GroupShard]:
+        """Plan group name -> this rank's `GroupShard` (its masters, gradient shard and
+        optimizer state)."""
+        return self._engine.groups
+
+    @property
+    def loss_scaler(self) -> LossScaler:
+        """The loss scaler in use (replaceable: the DeepSpeed drop-in puts its own in)."""
+        return self._scaler.scaler
+
+    @loss_scaler.setter
+    def loss_scaler(self, scaler: LossScaler) -> None:
+        self._scaler.scaler = scaler
 
     # ------------------------------------------------------------------ backward
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally, without communication."""
-        previous, self._life.sync = self._life.sync, False
-        try:
+        with self._backward.unsynced():
             yield
-        finally:
-            self._life.sync = previous
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss times the current loss scale (unchanged unless loss scaling is on).
         With fp16 loss scaling the next backward must run on this (checked)."""
-        self._loss_scaled = True
+        self._backward.loss_scaled()
         return self.loss_scaler.scale_loss(loss)
 
     def backward(self, loss: torch.Tensor) -> None:
         """`scale_loss(loss).backward()`."""
         self.scale_loss(loss).backward()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale gradients so their global 2-norm is at most `max_norm`; returns the norm
+        before clipping, over all ranks and groups (like torch.nn.utils.clip_grad_norm_,
+        which also leaves the gradients alone for max_norm=inf)."""
+        if float(norm_type) != 2.0:
+            raise ZeroConfigError(f"clip_grad_norm_: only norm_type=2 is supported, got {norm_type}")
+        if (isinstance(max_norm, bool) or not isinstance(max_norm, (int, float))
+                or math.isnan(max_norm) or max_norm < 0):
+            raise ZeroConfigError(f"clip_grad_norm_: max_norm must be a number >= 0 (inf to "
+                                  f"measure without clipping), got {max_norm!r}")
+        stats = self._backward.grad_stats("clip_grad_norm_")
+        if not stats.overflow:
+            coef = max_norm / (stats.norm + 1e-6)
+            if coef < 1.0:
+                self._engine.scale_grads(coef)
+        return torch.tensor(stats.norm, dtype=torch.float32)
 
     # ------------------------------------------------------------------ step
 
@@ -294,41 +300,23 @@ class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        stats = self._grad_stats("step")
+        stats = self._backward.grad_stats("step")
+        stepped = None
         with record_function("evenzero::step"):
-            self.last_step_skipped = stats.overflow and self.loss_scaler.enabled
+            scaler = self.loss_scaler
+            self.last_step_skipped = stats.overflow and scaler.enabled
             if self.last_step_skipped:
-                self.loss_scaler.update(overflow=True)
-                for st in self.groups.values():
-                    st.grad.zero_()
+                scaler.update(overflow=True)
+                self._engine.zero_grads()
             else:
-                self._step_shards(stats.present)
-                self.loss_scaler.update(overflow=False)
-                self._prefetch.launch(self._recorder, self.config.overlap_param_gather)
+                stepped = self._backward.present(stats)
+                seconds = self._engine.step(self.param_groups, stepped, self._recorder,
+                                            self.config.overlap_param_gather)
+                self._backward.optimizer_timed(seconds)
+                scaler.update(overflow=False)
                 self.step_count += 1
-        self._recorder.close_step()
-        self._life.reset()
+        self._backward.end_step(stepped)
         return loss
-
-    def _step_shards(self, present: tuple[bool, ...]) -> None:
-        """Pick up writes to the parameters, take the groups' current hyperparameters,
-        and step every parameter some rank holds a gradient for."""
-        adopt_replaced(self._flat)
-        for name, st in self.groups.items():
-            refresh_masters(self.plan, self._flat, name, st.master)
-        for g, user in zip(self._setup.groups, self.param_groups, strict=True):
-            inner = self._inner_groups[g.name]
-            for key, value in user.items():
-                if key != "params":
-                    inner[key] = value
-        stepped = {n for n, here in zip(self._names, present, strict=True) if here}
-        active = {self.plan.locate(n)[0] for n in stepped}
-        t0 = perf_counter()
-        self._stepper.step({name: st.grad for name, st in self.groups.items()}, stepped, active)
-        if self._refine.pending:  # the optimizer's cost, for the bucket size's timeline
-            self._refine.optimizer_seconds = (perf_counter() - t0, sum(
-                st.master.numel() for st in self.groups.values()))
-        self._clearing.drop_absent([n for n in self._names if n not in stepped])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients as torch does: `p.grad = None`, or zeros with
@@ -338,27 +326,12 @@ class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
         collectives with the other ranks (the error's advice). Gradients reduced but
         never stepped are discarded with the other ranks' agreement: a rank that steps
         them while another discards them raises instead of training differently."""
-        life = self._life
-        if life.is_dead_backward():
-            self._recover()
-            return
-        if life.state is TrainingState.BACKWARD:
-            raise ZeroRuntimeError("zero_grad() called during backward; call it before the "
-                                   "forward or after step()")
-        if life.state is TrainingState.REDUCED and not self._resources.closed:
-            life.note_problem("this rank discarded the step's gradients with zero_grad() "
-                              "before step()")
-            self._run_step_check(raise_problems=False)
-        self._clearing.clear_all(set_to_none)
-        torch.optim.Optimizer.zero_grad(self, set_to_none)
-        self._reducer.zero_()
-        if self._recorder.pending:
-            self._recorder.close_step()
-        life.reset()
+        self._backward.zero_grad(set_to_none,
+                                 partial(torch.optim.Optimizer.zero_grad, self, set_to_none))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Refused after construction: the shard layout is planned once for all groups."""
-        if getattr(self, "_constructing", False):
+        if self._constructing:
             torch.optim.Optimizer.add_param_group(self, param_group)
             return
         raise ZeroConfigError("add_param_group() is not supported by ZeroOptimizer: every "
@@ -372,8 +345,79 @@ class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
         model, so that another ZeroOptimizer may be built on it. The parameters keep
         their current values. Dropping every reference to the optimizer (`del opt`) does
         the same. A closed optimizer refuses to step. Not a collective."""
-        self._prefetch.wait_all()
+        self._gathers.wait()
         self._resources.close()
+
+    # ------------------------------------------------------------------ state dicts
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state (`runtime/statedict.py`, `StateDictIO.state_dict`)."""
+        return self._states.state_dict(self.param_groups, self.step_count)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load what `state_dict()` returned on this rank (a collective: every rank loads
+        its own, or every rank raises the same error). As in torch, the saved groups
+        replace the current ones whole, so keys a scheduler added do not matter."""
+        self.step_count = self._states.load_state_dict(state_dict, self.param_groups)
+
+    # ------------------------------------------------------------------ checkpoint protocol
+
+    @property
+    def inner_optimizer_class(self) -> type[torch.optim.Optimizer]:
+        """The torch optimizer class stepping the flat shards."""
+        return type(self._engine.inner)
+
+    @property
+    def control_device(self) -> torch.device:
+        """Where small agreement tensors live (the CUDA device under NCCL, else the CPU)."""
+        return self._control_device
+
+    def shard_state(self, group: str) -> dict[str, Any]:
+        """`evenzero.checkpoint.protocol.GroupShard` of plan group `group` on this rank."""
+        return self._states.shard_state(group, self.param_groups)
+
+    def loss_scaler_state(self) -> dict[str, Any]:
+        return self.loss_scaler.state_dict()
+
+    def check_loss_scaler_state(self, state: Mapping[str, Any]) -> None:
+        """Raise ValueError (or KeyError, TypeError) if `state` would not load."""
+        copy.deepcopy(self.loss_scaler).load_state_dict(dict(state))
+
+    def load_shard_state(self, shards: Mapping[str, Mapping[str, Any]],
+                         step_count: int | None, loss_scaler: Mapping[str, Any] | None) -> None:
+        """Write every group's shard state (already resharded to this rank's runs), the
+        step count and the loss scaler; then re-gather the parameters from the masters.
+        Saved hyperparameters win; keys only the running groups hold are kept."""
+        self._states.load_shard_state(shards, loss_scaler, self.param_groups)
+        if step_count is not None:
+            self.step_count = int(step_count)
+
+    def master_shard(self, group: str) -> torch.Tensor:
+        """This rank's flat master shard of `group` (padding included, zeros). A copy for
+        groups whose masters are the parameters' own memory (fp32 parameters)."""
+        return self._states.group(group).master_values()
+
+    @torch.no_grad()
+    def step_masters_on_zero_grads(self) -> None:
+        """Step every parameter once on zero gradients (DeepSpeed's stage-0 mixed-precision
+        wrappers do this when built; `evenzero.deepspeed` follows them), then gather the
+        parameters from the masters. DeepSpeed leaves its bf16 weights alone until the
+        first real step; here they follow the masters at once, because a parameter that
+        differs from its master is a user's write (runtime/paramwrites.py) and would
+        undo the step. They differ by at most one bf16 ulp, where the step crossed one.
+        step_count stays 0, as in DeepSpeed."""
+        self._engine.step_on_zero_grads(self.params)
+
+    def group_rank(self, group: str) -> int:
+        return self._states.group(group).rank
+
+    def process_group(self, group: str) -> Any:
+        return self._states.group(group).process_group
+
+    def sync_params_from_master(self) -> None:
+        """Re-gather the model parameters from the master shards (after loading them);
+        returns with every parameter gathered."""
+        self._engine.publish_all()
 
     # ------------------------------------------------------------------ interface
 
@@ -386,7 +430,7 @@ class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
     @property
     def module(self) -> torch.nn.Module:
         """The wrapped model, with every parameter gathered (waits for the step's gathers)."""
-        self._prefetch.wait_all()
+        self._gathers.wait()
         return self._module
 
     def wait_for_params(self) -> None:
@@ -394,9 +438,8 @@ class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
         holds its new value. Needed only before reading parameters outside the forward of
         the modules that hold them (forward pre-hooks, `state_dict()`, `opt.module` and
         this optimizer's own methods wait by themselves); a no-op when nothing is pending."""
-        self._prefetch.wait_all()
+        self._gathers.wait()
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds now for gradients, master weights and optimizer state."""
-        return measure(self.groups.values(), self._reducer, self.params.values(), self._inner,
-                       self._flat)
+        return self._engine.memory()

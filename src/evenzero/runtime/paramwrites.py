@@ -9,10 +9,14 @@ instead, once per step, before the inner step:
 
 1. `adopt_replaced`: a parameter whose `.data` was replaced (it no longer points into
    its flat buffer) has its new values copied into the buffer, then is re-pointed;
-2. `refresh_masters`: each rank reads its owned slice of every flat buffer back into its
-   master shard. For fp32 parameters that is a plain copy. For bf16/fp16 parameters the
-   master keeps its extra precision wherever the parameter still equals the master
-   rounded to the parameter dtype, and takes the parameter's value where it differs.
+2. fp32 parameters (master dtype = parameter dtype) need nothing more: the master *is*
+   this rank's slice of the flat buffer (`runtime/shards.py`), so a write to a parameter
+   is a write to the master. For bf16/fp16 parameters each rank reads its owned slice of
+   every flat buffer back into its master shard (`pick_up`, through
+   `GroupShard.pick_up_writes`): the master keeps its extra precision wherever the
+   parameter still equals the master rounded to the parameter dtype, and takes the
+   parameter's value where it differs. A cheap bitwise check comes first, so a step
+   without writes pays one comparison pass.
 
 Every rank refreshes only its own slice, so a write must be made on every rank (as the
 same code on every rank does); a write on one rank only changes that rank's slice.
@@ -22,7 +26,6 @@ from __future__ import annotations
 
 import torch
 
-from evenzero.plan import Plan
 from evenzero.runtime.buckets import FlatParams
 from evenzero.runtime.checks import ZeroRuntimeError
 
@@ -52,19 +55,43 @@ def adopt_replaced(flat: FlatParams) -> list[str]:
     return moved
 
 
-def pick_up(master: torch.Tensor, owned: torch.Tensor) -> None:
+CHECK_NUMEL = 1 << 20
+"""Elements the cheap check compares per pass: the size of its scratch buffer."""
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bits as integers of its element size: compared bit for bit, a NaN equals
+    itself and -0.0 differs from 0.0, which is exactly "was it written?"."""
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def pick_up(master: torch.Tensor, owned: torch.Tensor, scratch: torch.Tensor | None = None) -> bool:
     """Master slice := the parameter values in `owned`, keeping the master's precision
-    where the parameter was not written (it still equals the rounded master)."""
+    where the parameter was not written (it still holds the rounded master, bit for bit,
+    as the last gather left it). Returns whether anything was written.
+
+    Chunk by chunk, the master is rounded into `scratch` (the parameter dtype; any size,
+    allocated here if None) and compared with the parameter bit for bit: one pass and no
+    shard-sized temporary when nothing was written, which is every step of a loop that
+    does not write to its weights. Only a chunk that differs is picked up element by
+    element."""
     if owned.dtype == master.dtype:
         master.copy_(owned)
-        return
-    written = owned != master.to(owned.dtype)
-    master.copy_(torch.where(written, owned.to(master.dtype), master))
-
-
-def refresh_masters(plan: Plan, flat: FlatParams, group: str, master: torch.Tensor) -> None:
-    """Pick up every write to the parameters of `group` in this rank's master shard."""
-    with torch.no_grad():
-        for shard in plan.layout_shards(group):
-            pick_up(master[shard.shard_offset:shard.shard_offset + shard.numel],
-                    flat.owned_slice(group, shard.layout))
+        return True
+    n = master.numel()
+    if scratch is None:
+        scratch = torch.empty(min(n, CHECK_NUMEL), dtype=owned.dtype, device=owned.device)
+    chunk = max(1, scratch.numel())
+    written_any = False
+    for lo in range(0, n, chunk):
+        hi = min(lo + chunk, n)
+        m, o, rounded = master[lo:hi], owned[lo:hi], scratch[:hi - lo]
+        rounded.copy_(m)
+        if torch.equal(_bits(rounded), _bits(o)):
+            continue
+        written = _bits(rounded) != _bits(o)
+        m.copy_(torch.where(written, o.to(m.dtype), m))
+        written_any = True
+    return written_any

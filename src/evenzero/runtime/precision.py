@@ -120,3 +120,17 @@ def loss_scaler_for(loss_scale: str | float | None, config: LossScaleConfig,
     if loss_scale == "dynamic":
         return LossScaler(True, config)
     return LossScaler(True, replace(config, init_scale=float(loss_scale)), dynamic=False)
+
+
+class ScalerSlot:
+    """Holds the optimizer's current loss scaler. `ZeroOptimizer.loss_scaler` may be
+    replaced after construction (the DeepSpeed drop-in puts its own in); the reducer,
+    which divides each gradient by the scale of its backward, and the backward's check
+    read it through this slot, so they always see the scaler in use."""
+
+    def __init__(self, scaler: LossScaler) -> None:
+        self.scaler = scaler
+
+    def scale(self) -> float:
+        """The current loss scale."""
+        return self.scaler.scale

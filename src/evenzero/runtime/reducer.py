@@ -57,7 +57,7 @@ from evenzero.runtime.gradclear import ClearTracker
 from evenzero.runtime.routes import BucketRoute
 from evenzero.runtime.shardedgrad import ShardedGrad
 from evenzero.runtime.shardruns import ShardRuns
-from evenzero.runtime.shards import GroupState
+from evenzero.runtime.shards import GroupShard
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ class GradientReducer:
     """Starts, finishes and accumulates the bucket reductions of one plan."""
 
     def __init__(self, routes: tuple[BucketRoute, ...], params: Mapping[str, torch.nn.Parameter],
-                 groups: Mapping[str, GroupState], config: ReducerConfig, trace: TraceRecorder,
+                 groups: Mapping[str, GroupShard], config: ReducerConfig, trace: TraceRecorder,
                  clearing: ClearTracker, runs: Mapping[str, ShardRuns],
                  make_executor: Callable[..., RouteExecutor] = executor_for) -> None:
         self.routes, self.groups, self.config, self.trace = routes, groups, config, trace
@@ -133,7 +133,7 @@ class GradientReducer:
         self.pool = BucketPool(config.device, arena, config.max_in_flight)
         self._reset()
 
-    def _copies_in(self, g: GroupState) -> bool:
+    def _copies_in(self, g: GroupShard) -> bool:
         """Whether a bucket's contents go into its pool slot (else they stay in place)."""
         return self.config.stage == 2 or g.param_dtype != g.reduce_dtype
 
@@ -231,7 +231,7 @@ class GradientReducer:
             self.clearing.reduced(s.name)
         self.started[pos] = True
 
-    def _fill_stage2(self, route: BucketRoute, slot: PoolSlot, g: GroupState) -> torch.Tensor:
+    def _fill_stage2(self, route: BucketRoute, slot: PoolSlot, g: GroupShard) -> torch.Tensor:
         buf = slot.take(route.bucket.numel, g.reduce_dtype)
         packed = self.packed[route.position]
         if packed is not None:
@@ -258,7 +258,7 @@ class GradientReducer:
             torch._foreach_copy_(dst, src)
         return buf
 
-    def _fill_stage1(self, route: BucketRoute, slot: PoolSlot, g: GroupState) -> torch.Tensor:
+    def _fill_stage1(self, route: BucketRoute, slot: PoolSlot, g: GroupShard) -> torch.Tensor:
         views = self.grad_buffers.views[route.position]
         for p, view in zip(self.route_params[route.position], views, strict=True):
             grad = p.grad

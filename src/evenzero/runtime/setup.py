@@ -36,7 +36,7 @@ from evenzero.runtime.innerstep import plan_note
 from evenzero.runtime.precision import as_dtype
 from evenzero.runtime.teardown import claimed
 from evenzero.spec import ModelSpec, dtype_name, is_expert
-from evenzero.strategies import PlanOptions, executable_plan
+from evenzero.strategies import PlanOptions, executable_plan, get_strategy
 
 
 @dataclass(frozen=True)
@@ -197,15 +197,51 @@ def _broadcast_flat(tensors: list[torch.Tensor], group) -> None:
             offset += t.numel()
 
 
+PLAN_OPTION_OF: Mapping[str, str] = {
+    "stage": "stage",
+    "bucket_numel": "bucket_numel",
+    "alignment_bytes": "alignment_bytes",
+    "reduce_dtype": "reduce_dtype",
+    "master_dtype": "master_dtype",
+    "max_buckets_in_flight": "max_buckets_in_flight",
+    "overlap_param_gather": "overlap_param_gather",
+    "optimizer_impl": "optimizer_impl",
+}
+"""`ZeroConfig` field -> the `PlanOptions` field it sets (`plan_options`), so `opt.plan`,
+its memory estimate and the auto bucket size describe the run being executed."""
+
+NOT_PLAN_OPTIONS: Mapping[str, str] = {
+    "strategy": "chooses the planner itself (`executable_plan`)",
+    "loss_scale": "scales the loss; the schedule is the same",
+    "loss_scale_config": "scales the loss; the schedule is the same",
+    "elementwise": "a check of the optimizer class at construction",
+    "allow_partial_grads": "how a missing gradient is treated at the step check",
+    "reduce_scatter_algorithm": "the backend's implementation of the planned reduce-scatter "
+                                "(recorded in each traced `Collective.algorithm`)",
+}
+"""`ZeroConfig` fields that are not plan options, and why. Every field is in exactly one
+of the two tables (tests/test_runtime_setup.py)."""
+
+
 def plan_options(config: ZeroConfig, device: torch.device | None = None) -> PlanOptions:
-    """The planner's options for the runtime's config. With `bucket_numel="auto"` the
-    construction-time choice is priced on a cost preset for the device the gradients
-    live on (`runtime_cost_preset`); the runtime refines it after the first backwards."""
+    """The planner's options for the runtime's config (`PLAN_OPTION_OF`); the inner
+    optimizer's implementation is the one `runtime/innerstep.py` chose at construction
+    (`config.optimizer_impl`). With `bucket_numel="auto"` the construction-time choice
+    is priced on a cost preset for the device the gradients live on
+    (`runtime_cost_preset`); the runtime refines it after the first backwards."""
     reduce = dtype_name(as_dtype(config.reduce_dtype, "reduce_dtype")) if config.reduce_dtype else None
     return PlanOptions(bucket_numel=config.bucket_numel, alignment_bytes=config.alignment_bytes,
                        reduce_dtype=reduce, max_buckets_in_flight=config.max_buckets_in_flight,
                        cost_model=runtime_cost_preset(device) if device is not None else None,
-                       optimizer_impl=config.optimizer_impl)  # perf (issue 17)
+                       stage=config.stage, overlap_param_gather=config.overlap_param_gather,
+                       master_dtype=dtype_name(as_dtype(config.master_dtype, "master_dtype")),
+                       optimizer_impl=config.optimizer_impl)
+
+
+def tunes_bucket_size(strategy: str | Any) -> bool:
+    """Whether the configured strategy's bucket size may be refined at run time (the
+    registry says so; a custom planner callable's is its own)."""
+    return isinstance(strategy, str) and get_strategy(strategy).tunes_bucket_size
 
 
 def runtime_cost_preset(device: torch.device):
@@ -226,7 +262,7 @@ def make_plan(spec: ModelSpec, world_size: int, config: ZeroConfig,
     if bucket_numel is not None:
         options = replace(options, bucket_numel=bucket_numel)
     plan = executable_plan(spec, world_size, config.strategy, options)
-    impl = plan_note(config.optimizer_impl)  # perf (issue 17); first: notes[-1] is the bucket's
+    impl = plan_note(config.optimizer_impl)  # first: notes[-1] is the bucket size's
     if impl:
         plan = replace(plan, notes=(impl, *plan.notes))
     if note:

@@ -1,15 +1,34 @@
-"""Each rank's flat shards of a group: master weights and accumulated gradients.
+"""Each rank's share of a parameter group, and its one owner: `GroupShard`.
 
 A group's shard is the concatenation, over the group's layouts in index order, of this
 rank's equal slice of each layout, padding included: exactly what
-`plan.shard_ranges(group, rank)` describes with `shard_offset`. The optimizer steps
-the master shard; the step writes it back into this rank's slice of each flat
-parameter buffer and all-gathers the layout.
+`plan.shard_ranges(group, rank)` describes with `shard_offset`. Per layout it is one
+`Piece`. `GroupShard` owns, for one parameter group on this rank:
+
+* the master weights, one piece per layout, which the inner optimizer steps as separate
+  tensors. When the master dtype is the parameter dtype (fp32 training) each piece *is*
+  this rank's slice of the layout's flat parameter buffer (`FlatParams.owned_slice`):
+  nothing is copied in before the step or out after it, a user's write to a parameter
+  is a write to its master, and the masters take no memory of their own (Megatron-core
+  steps fp32 parameters' own memory the same way: distrib_optimizer.py@d98e8a64:465-491).
+  Otherwise (bf16/fp16 parameters with fp32 masters) the pieces are views of one flat
+  master tensor: `publish` rounds a piece into the slice before its gather, and
+  `pick_up_writes` reads the user's writes back (`runtime/paramwrites.py`);
+* the gradient shard `grad`, where the reducer accumulates (one view of it per piece is
+  the piece's gradient);
+* the view of the inner optimizer's state: the optimizer keeps state per piece, and
+  every shard-shaped tensor of it is a view of one flat tensor per key
+  (`state_flats`), so checkpoints read and write the group's state whole;
+* where each of these lives (`placement`);
+* its masked step (`runtime/maskedstep.py`).
+
+`statedict.py`, `memory.py` and the engine read and write a group's sharded state only
+through it: this is the seam where a new placement (CPU offload) or master dtype plugs in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,63 +37,316 @@ import torch
 from evenzero.plan import STEP, Collective, Plan
 from evenzero.runtime.buckets import FlatParams
 from evenzero.runtime.collectives import all_gather_flat
+from evenzero.runtime.maskedstep import MaskedStep, split_state
+from evenzero.runtime.paramwrites import pick_up
+from evenzero.runtime.shardruns import ShardRuns
 from evenzero.spec import DTYPE_BYTES, dtype_name
 
 
-@dataclass(eq=False)
-class GroupState:
-    """Runtime state of one parameter group on this rank."""
+@dataclass(frozen=True)
+class Placement:
+    """Where a group's sharded tensors live."""
 
-    name: str
-    """Group name in the plan."""
-    process_group: Any
-    """Process group the group's gradients are reduced and its params gathered over."""
-    size: int
-    """Ranks in `process_group`."""
-    rank: int
-    """This rank's rank within `process_group`."""
-    param_dtype: torch.dtype
-    """Dtype of the model parameters (and the flat parameter buffers)."""
-    reduce_dtype: torch.dtype
-    """Dtype gradients travel in."""
+    master: torch.device
+    """The master pieces (the parameters' device when they are the parameters' memory)."""
+    grad: torch.device
+    """The gradient shard (where the reducer accumulates)."""
+    optimizer_state: torch.device
+    """The inner optimizer's shard-shaped state."""
+
+    @staticmethod
+    def on(device: torch.device) -> Placement:
+        return Placement(device, device, device)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One layout's part of a group's shard on this rank."""
+
+    layout: int
+    """The layout's index in its group."""
+    shard_offset: int
+    """Where the piece starts in the group's shard."""
+    numel: int
+    """Its elements (this rank's equal slice of the layout, padding included)."""
     master: torch.Tensor
-    """This rank's fp32 (master dtype) shard of the parameters; the optimizer's param."""
+    """The master values: what the inner optimizer steps."""
+    owned: torch.Tensor
+    """This rank's slice of the layout's flat parameter buffer (what the gather sends)."""
     grad: torch.Tensor
-    """This rank's accumulated, averaged gradient shard, same shape as `master`."""
-    options: Mapping[str, Any]
-    """Optimizer keyword overrides for this group."""
+    """The piece's view of the gradient shard."""
 
 
-def load_masters(plan: Plan, flat: FlatParams, state: GroupState) -> None:
-    """Master shard := this rank's slices of the flat parameter buffers."""
-    for shard in plan.layout_shards(state.name):
-        state.master[shard.shard_offset:shard.shard_offset + shard.numel].copy_(
-            flat.owned_slice(state.name, shard.layout))
+class GroupShard:
+    """One parameter group's sharded state on this rank (see the module docstring)."""
+
+    def __init__(self, name: str, process_group: Any, size: int, rank: int,
+                 param_dtype: torch.dtype, reduce_dtype: torch.dtype, master_dtype: torch.dtype,
+                 options: Mapping[str, Any], placement: Placement) -> None:
+        self.name = name
+        """Group name in the plan."""
+        self.process_group = process_group
+        """Process group the gradients are reduced and the parameters gathered over."""
+        self.size = size
+        """Ranks in `process_group`."""
+        self.rank = rank
+        """This rank's rank within `process_group`."""
+        self.param_dtype = param_dtype
+        """Dtype of the model parameters (and of the flat parameter buffers)."""
+        self.reduce_dtype = reduce_dtype
+        """Dtype gradients travel in."""
+        self.master_dtype = master_dtype
+        """Dtype of the master weights, the gradient shard and the optimizer state."""
+        self.options = options
+        """Optimizer keyword overrides for this group."""
+        self.placement = placement
+        self.aliased = master_dtype == param_dtype
+        """The master pieces are this rank's slices of the flat parameter buffers."""
+        self.grad = torch.zeros(0, dtype=master_dtype, device=placement.grad)
+        """This rank's accumulated, averaged gradient shard (the whole group's)."""
+        self.pieces: tuple[Piece, ...] = ()
+        self.runs = ShardRuns(0, {})
+        """Which runs of the shard belong to which parameter."""
+        self.stepper: MaskedStep | None = None
+        self._master: torch.Tensor | None = None
+        self._by_layout: dict[int, int] = {}
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._state_flats: dict[str, torch.Tensor] = {}
+        self._state_views: dict[str, list[torch.Tensor]] = {}
+        self._stepping = False
+        self._unstepped: set[int] = set()
+
+    @property
+    def numel(self) -> int:
+        """Elements of the shard, padding included."""
+        return self.grad.numel()
+
+    # ------------------------------------------------------------------ layout
+
+    def lay_out(self, plan: Plan, flat: FlatParams) -> None:
+        """Take this rank's shard of `plan` (construction): masters from the parameters'
+        current values, a zero gradient shard."""
+        n = plan.shard_numel(self.name)
+        if not self.aliased:
+            self._master = torch.zeros(n, dtype=self.master_dtype, device=self.placement.master)
+        self.grad = torch.zeros(n, dtype=self.master_dtype, device=self.placement.grad)
+        self._place(plan, flat)
+        if not self.aliased:
+            for p in self.pieces:
+                p.master.copy_(p.owned)
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step with `optimizer`, one of whose param groups holds exactly `optimizer_params()`."""
+        self._optimizer = optimizer
+        self.stepper = MaskedStep(optimizer, self.optimizer_params(), self.runs)
+
+    def optimizer_params(self) -> list[torch.Tensor]:
+        """What the inner optimizer's param group of this group holds: the master pieces."""
+        return [p.master for p in self.pieces]
+
+    def relayout(self, old: Plan, new: Plan, flat: FlatParams) -> None:
+        """Move to the shard of `new` (collective over the group): masters, optimizer
+        state and gradients already reduced in this step (a re-plan after an earlier
+        backward that measured nothing) keep their values. Aliased masters move with the
+        flat buffers, which `flat` already rebuilt from the parameters' current values."""
+        flats = {k: reshard(v, old, new, self) for k, v in self._state_flats.items()}
+        if not self.aliased:
+            self._master = reshard(self._master, old, new, self)
+        self.grad = reshard(self.grad, old, new, self)
+        state = self._optimizer.state
+        for p in self.pieces:
+            state.pop(p.master, None)
+        group = self.stepper.group
+        self._place(new, flat)
+        group["params"] = self.optimizer_params()
+        self._bind_flats(flats)
+        self.stepper = MaskedStep(self._optimizer, self.optimizer_params(), self.runs)
+
+    def _place(self, plan: Plan, flat: FlatParams) -> None:
+        pieces = []
+        for s in plan.layout_shards(self.name):
+            owned = flat.owned_slice(self.name, s.layout)
+            lo, hi = s.shard_offset, s.shard_offset + s.numel
+            master = owned if self.aliased else self._master[lo:hi]
+            pieces.append(Piece(s.layout, lo, s.numel, master, owned, self.grad[lo:hi]))
+        self.pieces = tuple(pieces)
+        self._by_layout = {p.layout: i for i, p in enumerate(pieces)}
+        self.runs = ShardRuns.of(plan, self.name, self.rank)
+
+    # ------------------------------------------------------------------ the step
+
+    def pick_up_writes(self, scratch: torch.Tensor | None = None) -> None:
+        """Bring the user's writes to the parameters into the masters (nothing to do when
+        the masters are the parameters' memory). `scratch`: see `paramwrites.pick_up`."""
+        if self.aliased:
+            return
+        for p in self.pieces:
+            pick_up(p.master, p.owned, scratch)
+
+    def set_hyperparameters(self, user: Mapping[str, Any]) -> None:
+        """The user's group options (lr, betas, ...) as the next step sees them."""
+        group = self.stepper.group
+        for key, value in user.items():
+            if key != "params":
+                group[key] = value
+
+    def begin_step(self, present: Iterable[str], active: bool,
+                   grads: Sequence[torch.Tensor] | None = None) -> None:
+        """Start stepping the parameters in `present` (`MaskedStep.begin`); `grads` (one
+        per piece) replaces the gradient shard. On the fast path the pieces are stepped by
+        `step_layouts`, layout by layout; otherwise the whole step happens here."""
+        grads = [p.grad for p in self.pieces] if grads is None else grads
+        self._stepping = self.stepper.begin(grads, present, active)
+        self._unstepped = set(range(len(self.pieces))) if self._stepping else set()
+
+    def step_layouts(self, layouts: Iterable[int]) -> None:
+        """Step the pieces of `layouts` together (those not stepped yet in this step)."""
+        todo = [i for i in (self._by_layout[lay] for lay in layouts) if i in self._unstepped]
+        if todo:
+            self._unstepped.difference_update(todo)
+            self.stepper.step_pieces(todo)
+
+    def finish_step(self) -> None:
+        """Every piece holds its new master values."""
+        if self._stepping:
+            if self._unstepped:
+                self.stepper.step_pieces(sorted(self._unstepped))
+                self._unstepped = set()
+            self.stepper.finish()
+            self._stepping = False
+        self._bind_state()
+
+    def publish(self, layout: int) -> None:
+        """This rank's slice of layout `layout`'s flat buffer := its master piece (in the
+        parameter dtype; nothing to do when the master is that slice)."""
+        if not self.aliased:
+            p = self.pieces[self._by_layout[layout]]
+            p.owned.copy_(p.master)
+
+    # ------------------------------------------------------------------ gradients
+
+    def zero_grad_(self) -> None:
+        self.grad.zero_()
+
+    def scale_grad_(self, factor: float) -> None:
+        self.grad.mul_(factor)
+
+    def clear_grad_runs(self, names: Iterable[str]) -> None:
+        """Zero the runs of `names` in the gradient shard (gradients the user cleared)."""
+        for name in names:
+            for off, n in self.runs.runs.get(name, ()):
+                self.grad[off:off + n].zero_()
+
+    # ------------------------------------------------------------------ state, as a whole
+
+    def master_values(self) -> torch.Tensor:
+        """The master shard, flat. A copy when the masters are the parameters' memory
+        (their pieces are not contiguous); the master tensor itself otherwise."""
+        if self.aliased:
+            return torch.cat([p.master for p in self.pieces]) if self.pieces else self.grad.new_empty(0)
+        return self._master
+
+    def state_flats(self) -> dict[str, torch.Tensor]:
+        """The inner optimizer's shard-shaped state, one flat tensor per key (not copies)."""
+        return dict(self._state_flats)
+
+    def load(self, master: torch.Tensor, flats: Mapping[str, torch.Tensor]) -> None:
+        """Replace the master values and the shard-shaped optimizer state (the scalar
+        state is the masked step's, `MaskedStep.load_param_state`)."""
+        for p in self.pieces:
+            p.master.copy_(master[p.shard_offset:p.shard_offset + p.numel])
+        state = self._optimizer.state
+        for p in self.pieces:
+            state[p.master].clear()
+        self._state_flats, self._state_views = {}, {}
+        self._bind_flats({k: v.detach().to(self.placement.optimizer_state, self.master_dtype).clone()
+                          for k, v in flats.items()})
+
+    def _bind_flats(self, flats: Mapping[str, torch.Tensor]) -> None:
+        state = self._optimizer.state
+        self._state_flats, self._state_views = {}, {}
+        for key, flat in flats.items():
+            views = [flat[p.shard_offset:p.shard_offset + p.numel] for p in self.pieces]
+            for p, v in zip(self.pieces, views, strict=True):
+                state[p.master][key] = v
+            self._state_flats[key], self._state_views[key] = flat, views
+
+    def _bind_state(self) -> None:
+        """Make every piece's shard-shaped optimizer state a view of one flat tensor per
+        key. The optimizer creates its state per piece at the first step (and could
+        replace a tensor later): those are copied into the flat tensor once, then
+        updated in place through the views."""
+        state = self._optimizer.state
+        per = [split_state(state.get(p.master, {}), p.numel)[0] for p in self.pieces]
+        keys = [k for k in per[0] if all(k in f for f in per)] if per else []
+        for k in [k for k in self._state_flats if k not in keys]:
+            del self._state_flats[k], self._state_views[k]
+        for k in keys:
+            views = self._state_views.get(k)
+            if views is not None and all(f[k] is v for f, v in zip(per, views, strict=True)):
+                continue
+            if len(self.pieces) == 1:
+                flat, views = per[0][k], [per[0][k]]
+            else:
+                flat = self._state_flats.get(k)
+                like = per[0][k]
+                if flat is None or flat.dtype != like.dtype:
+                    flat = torch.empty(self.numel, dtype=like.dtype,
+                                       device=self.placement.optimizer_state)
+                views = [flat[p.shard_offset:p.shard_offset + p.numel] for p in self.pieces]
+                for p, f, v in zip(self.pieces, per, views, strict=True):
+                    if f[k] is not v:
+                        v.copy_(f[k])
+                        state[p.master][k] = v
+            self._state_flats[k], self._state_views[k] = flat, views
+
+    # ------------------------------------------------------------------ memory
+
+    def master_nbytes(self) -> int:
+        """Bytes the masters take of their own (0 when they are the parameters' memory)."""
+        return 0 if self.aliased else _nbytes(self._master)
+
+    def grad_nbytes(self) -> int:
+        return _nbytes(self.grad)
+
+    def state_nbytes(self) -> int:
+        """Bytes of the inner optimizer's state for this group (flat and scalar)."""
+        total = sum(_nbytes(f) for f in self._state_flats.values())
+        state = self._optimizer.state if self._optimizer is not None else {}
+        for p in self.pieces:
+            for k, v in state.get(p.master, {}).items():
+                if torch.is_tensor(v) and k not in self._state_flats:
+                    total += _nbytes(v)
+        return total
 
 
-def param_values(plan: Plan, shard: torch.Tensor, state: GroupState) -> dict[str, torch.Tensor]:
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def param_values(plan: Plan, shard: torch.Tensor, group: GroupShard) -> dict[str, torch.Tensor]:
     """Every parameter of the group, whole and flat, gathered from the ranks' shards."""
     out: dict[str, torch.Tensor] = {}
-    layouts = plan.group_layouts(state.name)
-    for lay, part in zip(layouts, plan.layout_shards(state.name), strict=True):
+    layouts = plan.group_layouts(group.name)
+    for lay, part in zip(layouts, plan.layout_shards(group.name), strict=True):
         full = torch.empty(lay.numel, dtype=shard.dtype, device=shard.device)
         mine = shard[part.shard_offset:part.shard_offset + part.numel].contiguous()
-        all_gather_flat(full, mine, state.process_group)
+        all_gather_flat(full, mine, group.process_group)
         for s in lay.params:
             out[s.name] = full[s.offset:s.offset + s.numel]
     return out
 
 
-def reshard(shard: torch.Tensor, old: Plan, new: Plan, state: GroupState) -> torch.Tensor:
+def reshard(shard: torch.Tensor, old: Plan, new: Plan, group: GroupShard) -> torch.Tensor:
     """The same values, moved from this rank's shard under `old` to its shard under `new`."""
-    values = param_values(old, shard, state)
-    out = torch.zeros(new.shard_numel(state.name), dtype=shard.dtype, device=shard.device)
-    for r in new.shard_ranges(state.name, state.rank):
+    values = param_values(old, shard, group)
+    out = torch.zeros(new.shard_numel(group.name), dtype=shard.dtype, device=shard.device)
+    for r in new.shard_ranges(group.name, group.rank):
         out[r.shard_offset:r.shard_offset + r.numel] = values[r.param][r.start:r.start + r.numel]
     return out
 
 
-def gather_order(plan: Plan, groups: Mapping[str, GroupState]) -> tuple[Collective, ...]:
+def gather_order(plan: Plan, groups: Mapping[str, GroupShard]) -> tuple[Collective, ...]:
     """The plan's all-gathers if they are one whole gather per layout, else our own."""
     layouts = {(lay.group, lay.index): lay.numel for lay in plan.layouts}
     planned = tuple(c for c in plan.step() if c.op == "all_gather")
@@ -88,15 +360,3 @@ def gather_order(plan: Plan, groups: Mapping[str, GroupState]) -> tuple[Collecti
                  for lay in plan.layouts)
 
 
-def reshard_group(optimizer: torch.optim.Optimizer, old: Plan, new: Plan,
-                  state: GroupState) -> None:
-    """Move a group's master shard, and its optimizer state shaped like it, to a new plan."""
-    old_numel = state.master.numel()
-    opt_state = optimizer.state.get(state.master, {})
-    for key, value in list(opt_state.items()):
-        if torch.is_tensor(value) and value.dim() == 1 and value.numel() == old_numel:
-            opt_state[key] = reshard(value, old, new, state)
-    state.master.data = reshard(state.master.detach(), old, new, state)
-    # Gradients already reduced in this step (a re-plan after an earlier backward that
-    # measured nothing) move too rather than being dropped.
-    state.grad = reshard(state.grad, old, new, state)

@@ -1,6 +1,7 @@
 """The optimizer's state, as torch exposes it and as `evenzero.checkpoint` reads it.
 
-`ShardStateSide` is a mixin of `ZeroOptimizer`:
+`StateDictIO` is the optimizer's part that does it, reading and writing each group's
+sharded state only through its `GroupShard` (via the engine):
 
 * `state_dict()` / `load_state_dict()`: torch's contract, holding this rank's shard
   (the format and its checks are `runtime/optstate.py`). Loading is a collective: every
@@ -17,14 +18,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, MutableSequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from evenzero.runtime.backward import BackwardDriver
 from evenzero.runtime.checks import ZeroConfigError
-from evenzero.runtime.maskedstep import split_state
+from evenzero.runtime.engine import ShardEngine
 from evenzero.runtime.optstate import (
     SECTION,
     RankIdentity,
@@ -33,82 +35,91 @@ from evenzero.runtime.optstate import (
     pack,
     saved_identity,
 )
-from evenzero.runtime.setup import make_plan
-from evenzero.runtime.shards import GroupState
-
-if TYPE_CHECKING:
-    from evenzero.runtime.optimizer import ZeroOptimizer
+from evenzero.runtime.planholder import PlanHolder
+from evenzero.runtime.precision import ScalerSlot
+from evenzero.runtime.shards import GroupShard
 
 MASTER = "master"
 
+ParamGroups = MutableSequence[dict[str, Any]]
+"""The torch face's `param_groups` (the user's groups), read and replaced in place."""
 
-class ShardStateSide:
-    """State dicts and the checkpoint protocol; mixed into `ZeroOptimizer`."""
+
+class StateDictIO:
+    """State dicts and the checkpoint protocol of one optimizer."""
+
+    def __init__(self, plans: PlanHolder, engine: ShardEngine, backward: BackwardDriver,
+                 scaler: ScalerSlot, params: Mapping[str, torch.nn.Parameter],
+                 world_group: Any, world_size: int, rank: int) -> None:
+        self.plans, self.engine, self.backward, self.scaler = plans, engine, backward, scaler
+        self.params = params
+        self.world_group, self.world_size, self.rank = world_group, world_size, rank
 
     # ------------------------------------------------------------------ torch's contract
 
-    def state_dict(self: ZeroOptimizer) -> dict[str, Any]:
+    def state_dict(self, param_groups: ParamGroups, step_count: int) -> dict[str, Any]:
         """This rank's state: torch's `{"state", "param_groups"}` (per-parameter scalar
         state such as its own `step`, and the groups' hyperparameters) plus an "evenzero"
-        section with the flat shards (fp32 masters and elementwise optimizer state),
-        the step count, the loss scaler and what identifies the shard. Tensors are not
-        copies, as in torch. It resumes this rank exactly at the same world size; for
-        another world size use `evenzero.checkpoint`."""
-        self._prefetch.wait_all()
+        section with the flat shards (master weights and elementwise optimizer state),
+        the step count, the loss scaler and what identifies the shard. The optimizer
+        state tensors are not copies, as in torch; the masters of groups whose masters
+        are the parameters' own memory are (their pieces are not one tensor). It resumes
+        this rank exactly at the same world size; for another world size use
+        `evenzero.checkpoint`."""
+        self.engine.gathers.wait()
         index, groups, start = {}, [], 0
-        for group in self.param_groups:
+        for group in param_groups:
             packed = {k: v for k, v in group.items() if k != "params"}
             packed["params"] = list(range(start, start + len(group["params"])))
             index.update({id(p): i for i, p in enumerate(group["params"], start)})
             start += len(group["params"])
             groups.append(packed)
         param_state = {}
-        for g in self.groups:
-            for name, scalars in self._stepper.param_state(g).items():
+        for shard in self.engine.groups.values():
+            for name, scalars in shard.stepper.param_state().items():
                 if scalars:
                     param_state[index[id(self.params[name])]] = scalars
-        shards = {g: dict(self.shard_state(g)["flats"]) for g in self.groups}
-        out = pack(groups, param_state, shards, self._identity(), self.step_count,
-                   self.loss_scaler.state_dict())
-        out[SECTION]["arrival_measured"] = self._hooks.arrival is None
+        shards = {g: dict(self.shard_state(g, param_groups)["flats"]) for g in self.engine.groups}
+        out = pack(groups, param_state, shards, self._identity(), step_count,
+                   self.scaler.scaler.state_dict())
+        out[SECTION]["arrival_measured"] = self.backward.arrival_measured
         # Which parameters were stepped: an optimizer without scalar state (SGD with
         # momentum) saves `{}` for them, as for one never stepped.
-        out[SECTION]["stepped"] = {g: sorted(self._stepper.stepped(g)) for g in self.groups}
+        out[SECTION]["stepped"] = {g: sorted(s.stepper.stepped())
+                                   for g, s in self.engine.groups.items()}
         return out
 
-    def load_state_dict(self: ZeroOptimizer, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any], param_groups: ParamGroups) -> int:
         """Load what `state_dict()` returned on this rank (a collective: every rank loads
         its own, or every rank raises the same error). As in torch, the saved groups
-        replace the current ones whole, so keys a scheduler added do not matter."""
-        self._prefetch.wait_all()
+        replace the current ones whole, so keys a scheduler added do not matter. Returns
+        the saved step count."""
+        self.engine.gathers.wait()
         saved = saved_identity(state_dict)
-        sizes = [len(g["params"]) for g in self.param_groups]
+        sizes = [len(g["params"]) for g in param_groups]
         problem = saved if isinstance(saved, str) else mismatch(
             state_dict, dataclasses.replace(self._identity(), layout=saved.layout), sizes)
         arrival = None if problem else (tuple(saved.arrival), saved.bucket_numel)
         arrivals = self._agree_load(problem, arrival)
         order, numel = arrivals[0]
         # An "auto" bucket size becomes the saved one: the shards are laid out for it.
-        adopt = self.config.auto_bucket and numel is not None
-        if order != self.plan.arrival or adopt:
-            self.spec = self.spec.with_arrival(order, "measured")
-            plan = make_plan(self.spec, self.world_size, self.config, self._setup.group_sizes,
-                             self._setup.device, bucket_numel=numel if adopt else None,
-                             note=f"bucket_numel auto: {numel:,} elements, the loaded state "
-                                  f"dict's" if adopt else None)
+        adopt = self.plans.config.auto_bucket and numel is not None
+        if order != self.plans.plan.arrival or adopt:
             if adopt:
-                self._stop_refining()
-            if plan != self.plan:
-                self._install(plan, previous=self.plan)
+                self.backward.stop_refining()
+            self.plans.replan(arrival=order, bucket_numel=numel if adopt else None,
+                              note=f"bucket_numel auto: {numel:,} elements, the loaded state "
+                                   f"dict's" if adopt else None)
         problem = mismatch(state_dict, self._identity(), sizes) or self._check_shards(state_dict)
         self._agree_load(problem, arrivals[0])
-        self._apply_state_dict(state_dict)
+        return self._apply_state_dict(state_dict, param_groups)
 
-    def _identity(self: ZeroOptimizer) -> RankIdentity:
-        return RankIdentity(self.world_size, self.rank, layout_fingerprint(self.plan),
-                            self.plan.arrival, self.plan.bucket_numel)
+    def _identity(self) -> RankIdentity:
+        plan = self.plans.plan
+        return RankIdentity(self.world_size, self.rank, layout_fingerprint(plan),
+                            plan.arrival, plan.bucket_numel)
 
-    def _agree_load(self: ZeroOptimizer, problem: str | None,
+    def _agree_load(self, problem: str | None,
                     arrival: tuple[str, ...] | None) -> list[tuple[str, ...]]:
         """Every rank's (problem, arrival); raises the same error everywhere if any rank
         has a problem or the ranks loaded state dicts of different plans."""
@@ -125,22 +136,22 @@ class ShardStateSide:
                                   "files one run saved, each rank its own")
         return arrivals
 
-    def _check_shards(self: ZeroOptimizer, state_dict: Mapping[str, Any]) -> str | None:
+    def _check_shards(self, state_dict: Mapping[str, Any]) -> str | None:
         shards = state_dict[SECTION].get("shards", {})
-        for g, st in self.groups.items():
+        for g, shard in self.engine.groups.items():
             flats = shards.get(g)
             if not isinstance(flats, Mapping) or MASTER not in flats:
                 return f"it has no shard for parameter group {g!r}"
             for key, t in flats.items():
-                if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(st.master.shape):
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != (shard.numel,):
                     return (f"its {key!r} shard of group {g!r} is not a tensor of shape "
-                            f"{list(st.master.shape)}")
+                            f"{[shard.numel]}")
         return None
 
-    def _apply_state_dict(self: ZeroOptimizer, state_dict: Mapping[str, Any]) -> None:
+    def _apply_state_dict(self, state_dict: Mapping[str, Any], param_groups: ParamGroups) -> int:
         sec = state_dict[SECTION]
         by_index = {}
-        for group, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
+        for group, saved in zip(param_groups, state_dict["param_groups"], strict=True):
             by_index.update(zip(saved["params"], group["params"], strict=True))
         name_of = {id(p): n for n, p in self.params.items()}
         per_param = {name_of[id(by_index[i])]: s for i, s in state_dict["state"].items()
@@ -148,115 +159,55 @@ class ShardStateSide:
         hyper = [{k: v for k, v in saved.items() if k != "params"}
                  for saved in state_dict["param_groups"]]
         shards = {g: {"flats": sec["shards"][g],
-                      "param_scalars": {n: per_param.get(n, {}) for n in self._runs[g].names},
+                      "param_scalars": {n: per_param.get(n, {}) for n in shard.runs.names},
                       "stepped": sec.get("stepped", {}).get(g, ()),
                       "hyperparameters": hyper[i]}
-                  for i, g in enumerate(t.name for t in self._setup.groups)}
-        self._write_shards(shards, replace_groups=True)
-        self.step_count = int(sec["step_count"])
+                  for i, (g, shard) in enumerate(self.engine.groups.items())}
+        self._write_shards(shards, param_groups, replace_groups=True)
         if sec.get("loss_scaler") is not None:
-            self.loss_scaler.load_state_dict(sec["loss_scaler"])
-        if sec.get("arrival_measured") and self._hooks.arrival is not None:
-            self._hooks.take_arrival()
-            self._life.measuring = self._refine.pending
-        self.sync_params_from_master()
+            self.scaler.scaler.load_state_dict(sec["loss_scaler"])
+        if sec.get("arrival_measured"):
+            self.backward.adopt_measured_arrival()
+        self.engine.publish_all()
+        return int(sec["step_count"])
 
     # ------------------------------------------------------------------ checkpoint protocol
 
-    @property
-    def inner_optimizer_class(self: ZeroOptimizer) -> type[torch.optim.Optimizer]:
-        """The torch optimizer class stepping the flat shards."""
-        return type(self._inner)
-
-    @property
-    def control_device(self: ZeroOptimizer) -> torch.device:
-        """Where small agreement tensors live (the CUDA device under NCCL, else the CPU)."""
-        return self._setup.control_device
-
-    def shard_state(self: ZeroOptimizer, group: str) -> dict[str, Any]:
+    def shard_state(self, group: str, param_groups: ParamGroups) -> dict[str, Any]:
         """`evenzero.checkpoint.protocol.GroupShard` of plan group `group` on this rank."""
-        st = self._group(group)
-        flats, _ = split_state(self._inner.state.get(st.master, {}), st.master.numel())
-        user = self.param_groups[[g.name for g in self._setup.groups].index(group)]
-        return {"flats": {MASTER: st.master, **{k: flats[k] for k in sorted(flats)}},
-                "param_scalars": self._stepper.param_state(group),
-                "stepped": sorted(self._stepper.stepped(group)),
+        shard = self.group(group)
+        flats = shard.state_flats()
+        user = param_groups[list(self.engine.groups).index(group)]
+        return {"flats": {MASTER: shard.master_values(), **{k: flats[k] for k in sorted(flats)}},
+                "param_scalars": shard.stepper.param_state(),
+                "stepped": sorted(shard.stepper.stepped()),
                 "hyperparameters": {k: v for k, v in user.items() if k != "params"}}
 
-    def loss_scaler_state(self: ZeroOptimizer) -> dict[str, Any]:
-        return self.loss_scaler.state_dict()
-
-    def check_loss_scaler_state(self: ZeroOptimizer, state: Mapping[str, Any]) -> None:
-        """Raise ValueError (or KeyError, TypeError) if `state` would not load."""
-        copy.deepcopy(self.loss_scaler).load_state_dict(dict(state))
-
-    def load_shard_state(self: ZeroOptimizer, shards: Mapping[str, Mapping[str, Any]],
-                         step_count: int | None, loss_scaler: Mapping[str, Any] | None) -> None:
-        """Write every group's shard state (already resharded to this rank's runs), the
-        step count and the loss scaler; then re-gather the parameters from the masters.
-        Saved hyperparameters win; keys only the running groups hold are kept."""
-        self._prefetch.wait_all()
-        self._write_shards(shards, replace_groups=False)
-        if step_count is not None:
-            self.step_count = int(step_count)
+    def load_shard_state(self, shards: Mapping[str, Mapping[str, Any]],
+                         loss_scaler: Mapping[str, Any] | None, param_groups: ParamGroups) -> None:
+        """Write every group's shard state (already resharded to this rank's runs) and the
+        loss scaler's (None: keep); then re-gather the parameters from the masters. Saved
+        hyperparameters win; keys only the running groups hold are kept."""
+        self.engine.gathers.wait()
+        self._write_shards(shards, param_groups, replace_groups=False)
         if loss_scaler is not None:
-            self.loss_scaler.load_state_dict(dict(loss_scaler))
-        self.sync_params_from_master()
+            self.scaler.scaler.load_state_dict(dict(loss_scaler))
+        self.engine.publish_all()
 
-    def _write_shards(self: ZeroOptimizer, shards: Mapping[str, Mapping[str, Any]],
+    def _write_shards(self, shards: Mapping[str, Mapping[str, Any]], param_groups: ParamGroups,
                       replace_groups: bool) -> None:
-        with torch.no_grad():
-            for i, g in enumerate(t.name for t in self._setup.groups):
-                st, shard = self.groups[g], shards[g]
-                flats = dict(shard["flats"])
-                st.master.copy_(flats.pop(MASTER))
-                state = self._inner.state[st.master]
-                state.clear()
-                state.update({k: v.detach().to(st.master.device, torch.float32).clone()
-                              for k, v in flats.items()})
-                scalars = shard["param_scalars"]
-                self._stepper.load_param_state(g, {n: scalars.get(n, {})
-                                                   for n in self._runs[g].names},
-                                               shard.get("stepped", ()))
-                user = self.param_groups[i]
-                saved = copy.deepcopy(dict(shard["hyperparameters"]))
-                kept = {} if replace_groups else {k: v for k, v in user.items() if k not in saved}
-                self.param_groups[i] = {**saved, **kept, "params": user["params"]}
+        for i, g in enumerate(self.engine.groups):
+            shard = shards[g]
+            flats = dict(shard["flats"])
+            self.engine.load_group(g, flats.pop(MASTER), flats, shard["param_scalars"],
+                                   shard.get("stepped", ()))
+            user = param_groups[i]
+            saved = copy.deepcopy(dict(shard["hyperparameters"]))
+            kept = {} if replace_groups else {k: v for k, v in user.items() if k not in saved}
+            param_groups[i] = {**saved, **kept, "params": user["params"]}
 
-    # ------------------------------------------------------------------ shards
-
-    def master_shard(self: ZeroOptimizer, group: str) -> torch.Tensor:
-        """This rank's flat master shard of `group` (padding included, zeros)."""
-        return self._group(group).master
-
-    @torch.no_grad()
-    def step_masters_on_zero_grads(self: ZeroOptimizer) -> None:
-        """Step every parameter once on zero gradients (DeepSpeed's stage-0 mixed-precision
-        wrappers do this when built; `evenzero.deepspeed` follows them), then gather the
-        parameters from the masters. DeepSpeed leaves its bf16 weights alone until the
-        first real step; here they follow the masters at once, because a parameter that
-        differs from its master is a user's write (runtime/paramwrites.py) and would
-        undo the step. They differ by at most one bf16 ulp, where the step crossed one."""
-        grads = {name: torch.zeros_like(st.master) for name, st in self.groups.items()}
-        self._stepper.step(grads, set(self._names), set(self.groups))
-        self._stepped_outside_step = True  # step_count stays 0, as in DeepSpeed
-        self.sync_params_from_master()
-
-    def group_rank(self: ZeroOptimizer, group: str) -> int:
-        return self._group(group).rank
-
-    def process_group(self: ZeroOptimizer, group: str) -> Any:
-        return self._group(group).process_group
-
-    def sync_params_from_master(self: ZeroOptimizer) -> None:
-        """Re-gather the model parameters from the master shards (after loading them);
-        returns with every parameter gathered."""
-        with torch.no_grad():
-            self._prefetch.wait_all()
-            self._flat.repoint_moved()
-            self._prefetch.launch(None, overlap=False)
-
-    def _group(self: ZeroOptimizer, name: str) -> GroupState:
-        if name not in self.groups:
-            raise KeyError(f"no parameter group {name!r}; groups are {list(self.groups)}")
-        return self.groups[name]
+    def group(self, name: str) -> GroupShard:
+        """The shard of plan group `name`; KeyError naming the groups if there is none."""
+        if name not in self.engine.groups:
+            raise KeyError(f"no parameter group {name!r}; groups are {list(self.engine.groups)}")
+        return self.engine.groups[name]
