@@ -2,7 +2,7 @@
 
 For each case (model, world size), one local gloo job:
 
-1. calibrates a cost model on its own ranks (`evenzero.cost.calibrate.measure`: the
+1. calibrates a cost model on its own ranks (`evenzero.calibration.measure`: the
    collectives the runtime issues, at the world's and the expert groups' sizes, and
    the compute of a rank while every rank computes), as `evenzero calibrate` does;
 2. picks evenzero's bucket size with it, as the planner's default does at plan time
@@ -54,8 +54,8 @@ def case_worker(ctx, payload: dict) -> dict:
 
     import torch.distributed as dist
 
+    from evenzero.calibration import measure
     from evenzero.cost.autobucket import choose_bucket_numel
-    from evenzero.cost.calibrate import measure
     from evenzero.cost.compute import estimate_profile
     from evenzero.cost.timeline import simulate
     from evenzero.repro.sidebyside import EvenzeroSystem, InterleaveOptions, run_interleaved

@@ -16,11 +16,11 @@ from evenzero.cost import (
     fit_op,
     predict,
 )
-from evenzero.cost.memory import DEEPSPEED_REDUCE_BUCKET
 from evenzero.cost.presets import PRESETS, cost_preset, default_cost_preset, load_cost_model
 from evenzero.model_presets import preset
 from evenzero.plan import Collective, GroupInfo, Plan
 from evenzero.strategies import PlanOptions, plan
+from evenzero.strategies.deepspeed import DEFAULT_REDUCE_BUCKET_SIZE as DEEPSPEED_REDUCE_BUCKET
 
 H100_IB = PRESETS["h100-ndr-ib"]
 A100_IB = PRESETS["a100-hdr-ib"]
@@ -242,7 +242,7 @@ def test_memory_model_by_strategy():
 
 
 def test_calibration_on_two_local_ranks_fits_what_it_measured():
-    from evenzero.cost.calibrate import run_local
+    from evenzero.calibration import run_local
 
     model, samples = run_local(2, sizes=(2**10, 2**18, 2**20, 2**22), repeats=7)
     assert {s.op for s in samples} == set(OPS) and all(s.group_size == 2 for s in samples)
@@ -267,7 +267,7 @@ def test_calibration_on_two_local_ranks_fits_what_it_measured():
 
 @pytest.mark.slow
 def test_calibration_measures_expert_sized_subgroups_too():
-    from evenzero.cost.calibrate import run_local
+    from evenzero.calibration import run_local
 
     model, samples = run_local(4, sizes=(2**10, 2**16, 2**22), repeats=3)
     assert {s.group_size for s in samples} == {2, 4}

@@ -97,7 +97,7 @@ def test_variants_measured_at_a_size_price_only_that_size():
 
 
 def test_fit_model_across_group_sizes():
-    from evenzero.cost.calibrate import fit_model
+    from evenzero.cost.fit import fit_model
 
     def line(n):  # alpha grows 100 us per rank; 2 GB/s everywhere
         return lambda op, s: (200 + 100 * n) * 1e-6 + s / 2e9

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -104,8 +106,14 @@ def test_evenzero_plan_properties(case):
         # The auto plan is the fixed plan of the size it chose, and says which.
         from evenzero.cost.autobucket import choose_bucket_numel
         from evenzero.cost.presets import PRESETS, default_cost_preset
+        from evenzero.strategies.evenzero import plan_fixed
 
-        choice = choose_bucket_numel(spec, world, PRESETS[default_cost_preset(world)])
+        def cut(numel):
+            return plan_fixed(spec, world, dataclasses.replace(options, bucket_numel=numel))
+
+        choice = choose_bucket_numel(spec, PRESETS[default_cost_preset(world)], cut,
+                                     memory_budget=options.bucket_memory_bytes,
+                                     reduce_dtype=options.reduce_dtype)
         auto_numel = choice.numel
         assert p.buckets == choice.plan.buckets and p.collectives == choice.plan.collectives
         assert p.notes[-1] == choice.note and f"{auto_numel:,} elements" in choice.note

@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from evenzero.plan import BACKWARD, STEP, Bucket, Collective, GroupInfo, PlanError
+from evenzero.plan import (
+    BACKWARD,
+    OPTIMIZER_IMPLS,
+    STEP,
+    Bucket,
+    Collective,
+    GroupInfo,
+    Plan,
+    PlanError,
+    StepWork,
+)
 from evenzero.spec import DTYPE_BYTES, ModelSpec
 
 if TYPE_CHECKING:
-    from evenzero.cost import CostModel
     from evenzero.cost.compute import ComputeProfile
+    from evenzero.cost.model import CostModel
 
 AUTO = "auto"
 """`PlanOptions.bucket_numel` value: pick the size with the timeline (evenzero only)."""
-
-
-OPTIMIZER_IMPLS = ("single_tensor", "foreach", "fused")
-"""torch.optim's implementations of an elementwise step (`PlanOptions.optimizer_impl`)."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +124,8 @@ def group_infos(spec: ModelSpec, world_size: int) -> tuple[GroupInfo, ...]:
         params = spec.group_params(g.name)
         if not params:
             continue
-        out.append(GroupInfo(g.name, world_size // e, e, sum(p.numel for p in params)))
+        out.append(GroupInfo(g.name, world_size // e, e, sum(p.numel for p in params),
+                             group_dtype(spec, g.name)))
     return tuple(out)
 
 
@@ -165,6 +173,27 @@ def all_gathers(spec: ModelSpec, infos: tuple[GroupInfo, ...], layouts: list[Buc
     itemsize = {g.name: DTYPE_BYTES[group_dtype(spec, g.name)] for g in infos}
     return [Collective(STEP, "all_gather", b.group, size[b.group], None, b.index, 0, b.numel,
                        itemsize=itemsize[b.group]) for b in layouts]
+
+
+def step_work(plan: Plan, spec: ModelSpec, options: PlanOptions, *, norm: str | None = None,
+              optimizer_impl: str | None = None, flat: bool = False,
+              copied: Callable[[GroupInfo], bool] = lambda g: False, copy_passes: int = 1,
+              visits_params: bool = False) -> StepWork:
+    """The step's own compute on one rank (`StepWork`): the optimizer over the rank's
+    shards (everything, for an unsharded plan) with the user's implementation, else
+    `optimizer_impl` (None: torch's default), on one flat tensor per group (`flat`) or
+    on every parameter; the norm, if any, over the same elements; `copy_passes` passes
+    over parameter and master for the groups `copied` says keep a separate master; one
+    visit of every parameter by the step's own Python work if `visits_params`."""
+    master = DTYPE_BYTES[options.master_dtype]
+    elements = {g.name: plan.shard_numel(g.name) if plan.sharded else g.numel for g in plan.groups}
+    copies = sum(copy_passes * elements[g.name] * (master + DTYPE_BYTES[g.dtype])
+                 for g in plan.groups if copied(g))
+    total = sum(elements.values())
+    return StepWork(total, options.optimizer_impl or optimizer_impl, norm,
+                    total if norm else 0, copies,
+                    len(plan.groups) if flat else len(spec.params),
+                    len(spec.params) if visits_params else 0)
 
 
 def check_has_params(spec: ModelSpec) -> None:
