@@ -18,7 +18,7 @@ from evenzero.cost import (
 )
 from evenzero.cost.presets import PRESETS, cost_preset, default_cost_preset, load_cost_model
 from evenzero.model_presets import preset
-from evenzero.plan import Collective, GroupInfo, Plan
+from evenzero.plan import OPTIMIZER_IMPLS, Collective, GroupInfo, Plan
 from evenzero.strategies import PlanOptions, plan
 from evenzero.strategies.deepspeed import DEFAULT_REDUCE_BUCKET_SIZE as DEEPSPEED_REDUCE_BUCKET
 
@@ -255,6 +255,13 @@ def test_calibration_on_two_local_ranks_fits_what_it_measured():
     assert model.fitted_ranks == (2,) and model.extrapolation_warning(8)
     c = model.compute
     assert c.tflops > 0 and c.memory_gbs > 0 and c.optimizer_bytes_per_element > 0
+    # The step's own costs, measured: torch's three AdamW implementations on the CPU
+    # (single-tensor is its default there), both norms, per tensor and per parameter.
+    assert c.default_optimizer_impl == "single_tensor"
+    assert all(getattr(c, f"{impl}_bytes_per_element") > 0 for impl in OPTIMIZER_IMPLS)
+    assert c.norm_fp32_bytes_per_element > 0 and c.norm_fp64_bytes_per_element > 0
+    assert c.tensor_overhead_us > 0 and c.param_overhead_us > 0
+    assert not model.all_gather_copies_output  # the timed all-gather includes its copy
     errors = []
     for s in samples:
         predicted = model.time(s.op, 2, s.nbytes)
