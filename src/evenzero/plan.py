@@ -218,8 +218,10 @@ class GroupInfo:
     """1 for dense groups. For experts, the group of rank r is {r % E + k*E}."""
     numel: int = 0
     """Trainable elements in the group on one rank, padding excluded."""
-    dtype: str = "float32"
-    """Dtype of the group's parameters (a name of `evenzero.spec.DTYPE_BYTES`)."""
+    dtype: str = field(default="float32", repr=False)
+    """Dtype of the group's parameters (a name of `evenzero.spec.DTYPE_BYTES`). Not in
+    the repr: `runtime.optstate.layout_fingerprint` hashes the repr of a plan's groups,
+    and a rank state dict saved before this field existed must still load."""
 
     def ranks_of(self, global_rank: int, world_size: int) -> tuple[int, ...]:
         e = self.expert_parallel_size

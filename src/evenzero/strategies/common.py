@@ -60,8 +60,10 @@ class PlanOptions:
     master_dtype: str = "float32"
     """Dtype of the master weights and optimizer state (`ZeroConfig.master_dtype`)."""
     optimizer_impl: str | None = None
-    """How the inner optimizer steps a shard: "single_tensor", "foreach" or "fused"
-    (torch.optim's implementations); None: the runtime's default for the device."""
+    """How the optimizer steps: "single_tensor", "foreach" or "fused" (torch.optim's
+    implementations; `StepWork.optimizer_impl`). None: each system's own default
+    (evenzero's runtime: `strategies.evenzero.DEFAULT_OPTIMIZER_IMPL`; a user's torch
+    optimizer under DDP or FSDP2: torch's default for the device)."""
 
     def __post_init__(self) -> None:
         b = self.bucket_numel
