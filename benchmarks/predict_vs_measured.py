@@ -299,7 +299,10 @@ class _Case:
         return box[0]
 
 
-def run(cases: list[str], steps: int, warmup: int, scale: str, evenzero_step: str) -> list[dict]:
+def run(cases: list[str], steps: int, warmup: int, scale: str, evenzero_step: str,
+        json_path: Path | None = None) -> list[dict]:
+    """Every case in turn; with `json_path`, the reports so far are written after each
+    case, so a case that fails (a rank killed for memory, say) loses only itself."""
     out = []
     for case in cases:
         kind, _, world = case.partition(":")
@@ -307,6 +310,8 @@ def run(cases: list[str], steps: int, warmup: int, scale: str, evenzero_step: st
         payload = {"model": kind, "steps": steps, "warmup": warmup, "scale": scale,
                    "evenzero_step": evenzero_step}
         out.append(launch(case_worker, payload, LaunchOptions(int(world), "gloo", timeout_s=3600)))
+        if json_path is not None:
+            json_path.write_text(json.dumps(out, indent=1))
     return out
 
 
@@ -368,8 +373,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--evenzero-step", choices=("plan", "main"), default="plan",
                    help="plan: predict evenzero's step as its plan says; main: as the runtime "
                         "ran it before issue 17's step work")
-    p.add_argument("--json", type=Path, help="write every figure here")
+    p.add_argument("--json", type=Path, help="write every figure here (after each case)")
+    p.add_argument("--from-json", type=Path, nargs="+", metavar="FILE",
+                   help="print the tables of reports written by --json, running nothing")
     args = p.parse_args(argv)
+    if args.from_json:
+        reports = [r for f in args.from_json for r in json.loads(f.read_text())]
+        sys.stdout.write(markdown(reports, "python benchmarks/predict_vs_measured.py "
+                                  + " ".join(argv if argv is not None else sys.argv[1:])))
+        return 0
     for case in args.cases:
         kind, sep, world = case.partition(":")
         if kind not in KINDS or not sep or not world.isdigit() or int(world) < 2:
@@ -377,12 +389,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"and W >= 2")
         if kind == "seed" and int(world) % 4:
             p.error(f"--cases: {case!r}: the seed model needs a multiple of 4 ranks")
-    reports = run(args.cases, args.steps, args.warmup, args.scale, args.evenzero_step)
+    reports = run(args.cases, args.steps, args.warmup, args.scale, args.evenzero_step, args.json)
     command = "python benchmarks/predict_vs_measured.py " + " ".join(
         argv if argv is not None else sys.argv[1:])
     sys.stdout.write(markdown(reports, command.strip()))
     if args.json:
-        args.json.write_text(json.dumps(reports, indent=1))
         print(f"wrote {args.json}")
     totals = [row["measured_ms"]["total"] for r in reports for row in r["rows"]]
     return 0 if all(t == t for t in totals) else 1

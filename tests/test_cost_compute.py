@@ -9,6 +9,8 @@ import pytest
 from evenzero.cost import OPS, CostModel, CostModelError, OpCost, Sample, Variant
 from evenzero.cost.compute import (
     DEFAULT_TOKENS,
+    LARGE_TENSOR_NUMEL,
+    SMALL_TENSOR_NUMEL,
     DeviceCompute,
     backward_work,
     estimate_profile,
@@ -110,6 +112,21 @@ def test_step_costs_per_implementation_norm_and_parameter():
     with pytest.raises(ValueError, match="fused_bytes_per_element must be a positive"):
         DeviceCompute("x", tflops=1, memory_gbs=1, fused_bytes_per_element=0)
     assert c.with_param("fused_bytes_per_element", "12").fused_bytes_per_element == 12.0
+
+
+def test_optimizer_cost_follows_tensor_size_between_the_two_figures():
+    c = DeviceCompute("c", tflops=1, memory_gbs=1, optimizer_bytes_per_element=100.0,
+                      default_optimizer_impl="single_tensor",
+                      single_tensor_small_bytes_per_element=40.0)
+    assert c.optimizer_bytes_at(None, SMALL_TENSOR_NUMEL // 2) == 40.0
+    assert c.optimizer_bytes_at(None, LARGE_TENSOR_NUMEL * 2) == 100.0
+    middle = int((SMALL_TENSOR_NUMEL * LARGE_TENSOR_NUMEL) ** 0.5)  # halfway in log(numel)
+    assert c.optimizer_bytes_at("single_tensor", middle) == pytest.approx(70.0, rel=1e-3)
+    assert c.optimizer_bytes_at("fused", 10) == 100.0  # no small figure: as on large tensors
+    # Many small tensors cost less per element than one large one of the same elements.
+    n = 2**22
+    assert c.optimizer_seconds(n, None, (2**16,) * 64) == pytest.approx(n * 40 / 1e9)
+    assert c.optimizer_seconds(n, None) == c.optimizer_seconds(n, None, (n,)) == n * 100 / 1e9
     assert c.with_param("default_optimizer_impl", "fused").default_optimizer_impl == "fused"
 
 

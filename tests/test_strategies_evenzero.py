@@ -251,4 +251,6 @@ def test_the_optimizer_implementation_and_norm_reach_the_step_work():
     assert chosen.step_work.optimizer_impl == "foreach"
     elements = sum(default.shard_numel(g.name) for g in default.groups)
     assert default.step_work.optimizer_elements == default.step_work.norm_elements == elements
+    assert default.step_work.optimizer_tensor_numels == tuple(
+        default.shard_numel(g.name) for g in default.groups)  # one flat shard per group
     assert default.step_work.optimizer_tensors == 2 and default.step_work.params == 2

@@ -45,7 +45,7 @@ from time import perf_counter
 import torch
 import torch.distributed as dist
 
-from evenzero.cost.compute import DeviceCompute
+from evenzero.cost.compute import LARGE_TENSOR_NUMEL, SMALL_TENSOR_NUMEL, DeviceCompute
 from evenzero.cost.fit import Sample, fit_model
 from evenzero.cost.model import OPS, CostModel
 from evenzero.plan import OPTIMIZER_IMPLS
@@ -59,8 +59,8 @@ MATMUL_SHAPE = {"cpu": ((64, 1024, 1024), torch.float32), "cuda": ((8192, 4096, 
 of tokens per rank CPU runs train with; on GPUs a large bf16 layer, as they train."""
 COPY_NUMEL = 2**23
 """Elements copied to time memory bandwidth (32 MiB of fp32, beyond the caches)."""
-OPTIMIZER_NUMEL = 2**22
-"""Elements of the flat parameter an AdamW step is timed on."""
+OPTIMIZER_NUMEL = LARGE_TENSOR_NUMEL
+"""Elements an AdamW step is timed on: one tensor, and as many small ones."""
 NORM_CHUNK = 2**20
 """Elements per chunk of the fp32 norm (`torch._foreach_norm` over the chunks)."""
 SMALL_PARAMS = 256
@@ -266,12 +266,23 @@ def measure_compute(device: torch.device | None = None, name: str = "measured") 
     default = "foreach" if device.type == "cuda" else "single_tensor"
     impls = {impl: per_element(impl, OPTIMIZER_NUMEL) for impl in OPTIMIZER_IMPLS
              if impl in seconds}
+    # The single-tensor step over small tensors also paid its per-tensor loop, which the
+    # timeline charges apart (`tensor_overhead_us`): left out of its bytes per element.
+    loop = OPTIMIZER_NUMEL // SMALL_TENSOR_NUMEL * seconds["per_tensor"]
+    if "single_tensor_small" in seconds:
+        timed = seconds["single_tensor_small"]
+        seconds["single_tensor_small"] = max(timed - loop, 0.1 * timed)
+    small = {impl: per_element(f"{impl}_small", OPTIMIZER_NUMEL) for impl in OPTIMIZER_IMPLS
+             if f"{impl}_small" in seconds}
     return DeviceCompute(
         name, tflops=matmul * 2 * t * k * m / 1e12, memory_gbs=memory_gbs,
         optimizer_bytes_per_element=impls[default], default_optimizer_impl=default,
         single_tensor_bytes_per_element=impls.get("single_tensor"),
         foreach_bytes_per_element=impls.get("foreach"),
         fused_bytes_per_element=impls.get("fused"),
+        single_tensor_small_bytes_per_element=small.get("single_tensor"),
+        foreach_small_bytes_per_element=small.get("foreach"),
+        fused_small_bytes_per_element=small.get("fused"),
         norm_fp32_bytes_per_element=per_element("norm_fp32", OPTIMIZER_NUMEL),
         norm_fp64_bytes_per_element=per_element("norm_fp64", OPTIMIZER_NUMEL),
         tensor_overhead_us=seconds["per_tensor"] * 1e6,
@@ -279,16 +290,18 @@ def measure_compute(device: torch.device | None = None, name: str = "measured") 
         comm_slowdown=min(4.0, max(0.0, alone / during - 1)),
         sources=f"evenzero calibrate: {t}x{k}x{m} {str(dtype).removeprefix('torch.')} matmul, "
                 f"{COPY_NUMEL:,}-element copy, torch AdamW step on {OPTIMIZER_NUMEL:,} "
-                f"elements per implementation ({', '.join(impls)}), fp32-chunk and fp64 "
-                f"norms, a single-tensor step and a visit over {SMALL_PARAMS} one-element parameters, matmuls "
-                f"beside an all-reduce; slowest rank, every rank busy, "
+                f"elements per implementation ({', '.join(impls)}), in one tensor and in "
+                f"{SMALL_TENSOR_NUMEL:,}-element ones, fp32-chunk and fp64 norms, a "
+                f"single-tensor step and a visit over {SMALL_PARAMS} one-element parameters, "
+                f"matmuls beside an all-reduce; slowest rank, every rank busy, "
                 f"{torch.get_num_threads()} thread(s) per rank")
 
 
 def measure_step_costs(device: torch.device) -> dict[str, float]:
     """Seconds of the work a step does besides its collectives, on this rank alone:
     an AdamW step over `OPTIMIZER_NUMEL` elements per torch implementation (one that
-    the device lacks is left out), the global norm of that many gradient elements in
+    the device lacks is left out), in one tensor and ("<impl>_small") in tensors of
+    `SMALL_TENSOR_NUMEL` elements, the global norm of that many gradient elements in
     fp32 chunks combined in fp64 and of an fp64 copy; "per_tensor": seconds per tensor
     of a single-tensor AdamW step over `SMALL_PARAMS` one-element parameters (its
     per-tensor Python loop); "per_param": seconds per parameter of a Python visit that
@@ -296,15 +309,18 @@ def measure_step_costs(device: torch.device) -> dict[str, float]:
     out: dict[str, float] = {}
     for impl in OPTIMIZER_IMPLS:
         flags = {"foreach": impl == "foreach", "fused": impl == "fused"}
-        param = torch.nn.Parameter(torch.randn(OPTIMIZER_NUMEL, device=device))
-        param.grad = torch.randn_like(param)
-        try:
-            adamw = torch.optim.AdamW([param], lr=1e-3, **flags)
-            adamw.step()
-        except (RuntimeError, ValueError):  # e.g. no fused kernel for this device
-            continue
-        out[impl] = 1 / _rate(adamw.step, device)
-        del adamw, param
+        for key, numel in ((impl, OPTIMIZER_NUMEL), (f"{impl}_small", SMALL_TENSOR_NUMEL)):
+            params = [torch.nn.Parameter(torch.randn(numel, device=device))
+                      for _ in range(OPTIMIZER_NUMEL // numel)]
+            for q in params:
+                q.grad = torch.randn_like(q)
+            try:
+                adamw = torch.optim.AdamW(params, lr=1e-3, **flags)
+                adamw.step()
+            except (RuntimeError, ValueError):  # e.g. no fused kernel for this device
+                break
+            out[key] = 1 / _rate(adamw.step, device)
+            del adamw, params
     grad = torch.randn(OPTIMIZER_NUMEL, device=device)
     chunks = list(grad.split(NORM_CHUNK))
     out["norm_fp32"] = 1 / _rate(lambda: torch.linalg.vector_norm(

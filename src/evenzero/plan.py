@@ -334,9 +334,11 @@ class StepWork:
     """Bytes read plus bytes written per step between the parameters and separate
     masters (picking up the user's writes, writing the update back); 0 where the master
     is the parameters' own memory (`MemoryModel.aliased_groups`)."""
-    optimizer_tensors: int = 0
-    """Tensors the optimizer steps (flat shards, or every parameter): a single-tensor
-    implementation pays `DeviceCompute.tensor_overhead_us` for each."""
+    optimizer_tensor_numels: tuple[int, ...] = ()
+    """Elements of each tensor the optimizer steps (one flat shard per group, or every
+    parameter or its shard): a multi-pass implementation is cheaper per element on a
+    tensor small enough for its passes to stay in the caches, and a single-tensor one
+    pays `DeviceCompute.tensor_overhead_us` per tensor. Empty: one tensor."""
     params: int = 0
     """Parameters the step's own Python work visits once each (presence, the user's
     writes, state), each charged `DeviceCompute.param_overhead_us`."""
@@ -347,11 +349,18 @@ class StepWork:
                             f"{OPTIMIZER_IMPLS}")
         if self.norm not in (None, *NORMS):
             raise PlanError(f"norm {self.norm!r} is not one of {NORMS} or None")
-        for name in ("optimizer_elements", "norm_elements", "copy_bytes", "optimizer_tensors",
-                     "params"):
+        for name in ("optimizer_elements", "norm_elements", "copy_bytes", "params"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise PlanError(f"{name} must be a non-negative integer, got {v!r}")
+        if self.optimizer_tensor_numels and sum(self.optimizer_tensor_numels) != self.optimizer_elements:
+            raise PlanError(f"optimizer tensors hold {sum(self.optimizer_tensor_numels):,} "
+                            f"elements, not the {self.optimizer_elements:,} the step updates")
+
+    @property
+    def optimizer_tensors(self) -> int:
+        """Tensors the optimizer steps."""
+        return len(self.optimizer_tensor_numels) or 1
 
 
 @dataclass(frozen=True)

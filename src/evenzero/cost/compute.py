@@ -31,6 +31,7 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -38,6 +39,12 @@ from typing import Any
 from evenzero.plan import NORMS, OPTIMIZER_IMPLS
 from evenzero.spec import ModelSpec, ParamSpec
 
+SMALL_TENSOR_NUMEL = 2**16
+"""Elements of the tensors the small-tensor optimizer figures hold for (256 KiB of fp32:
+the passes of a multi-pass step stay in a CPU's caches)."""
+LARGE_TENSOR_NUMEL = 2**22
+"""Elements from which a tensor's passes go to memory (16 MiB of fp32); the plain
+optimizer figures hold for tensors this large."""
 DEFAULT_TOKENS = 4096
 """Tokens per micro-batch assumed for a spec that gives none (one 4K-token sequence)."""
 FORWARD_SHARE = 0.5
@@ -64,8 +71,9 @@ class DeviceCompute:
     masters; every other bytes-per-element figure is relative to it."""
     optimizer_bytes_per_element: float = 28.0
     """Bytes the optimizer step moves per element it updates, as torch runs it when no
-    implementation is chosen (`default_optimizer_impl`). A fused AdamW reads the fp32
-    master, gradient and both moments and writes master and moments: 7 x 4 bytes."""
+    implementation is chosen (`default_optimizer_impl`), on tensors of at least
+    `LARGE_TENSOR_NUMEL` elements. A fused AdamW reads the fp32 master, gradient and
+    both moments and writes master and moments: 7 x 4 bytes."""
     default_optimizer_impl: str = "foreach"
     """The implementation torch.optim picks when none is chosen: foreach for CUDA
     tensors, single_tensor otherwise, never fused (torch/optim/optimizer.py
@@ -76,6 +84,13 @@ class DeviceCompute:
     """The foreach implementation's bytes per element; None: as the default's."""
     fused_bytes_per_element: float | None = None
     """The fused implementation's bytes per element; None: as the default's."""
+    single_tensor_small_bytes_per_element: float | None = None
+    """The single-tensor implementation on tensors of `SMALL_TENSOR_NUMEL` elements,
+    whose passes stay in the caches; None: as on large tensors."""
+    foreach_small_bytes_per_element: float | None = None
+    """The foreach implementation on tensors of `SMALL_TENSOR_NUMEL` elements."""
+    fused_small_bytes_per_element: float | None = None
+    """The fused implementation on tensors of `SMALL_TENSOR_NUMEL` elements."""
     norm_fp32_bytes_per_element: float = 4.0
     """A global gradient norm from fp32 norms of chunks (`torch._foreach_norm`),
     combined in fp64: one read of the fp32 gradient."""
@@ -100,9 +115,9 @@ class DeviceCompute:
                   "norm_fp32_bytes_per_element", "norm_fp64_bytes_per_element"):
             _check(f, getattr(self, f), positive=True)
         for impl in OPTIMIZER_IMPLS:
-            v = getattr(self, f"{impl}_bytes_per_element")
-            if v is not None:
-                _check(f"{impl}_bytes_per_element", v, positive=True)
+            for name in (f"{impl}_bytes_per_element", f"{impl}_small_bytes_per_element"):
+                if getattr(self, name) is not None:
+                    _check(name, getattr(self, name), positive=True)
         _check("tensor_overhead_us", self.tensor_overhead_us, positive=False)
         _check("param_overhead_us", self.param_overhead_us, positive=False)
         _check("comm_slowdown", self.comm_slowdown, positive=False)
@@ -132,9 +147,26 @@ class DeviceCompute:
         figure = getattr(self, f"{impl}_bytes_per_element")
         return self.optimizer_bytes_per_element if figure is None else figure
 
-    def optimizer_seconds(self, elements: int, impl: str | None = None) -> float:
-        """One optimizer step over `elements` master elements with `impl`."""
-        return self.moved_seconds(elements * self.optimizer_bytes(impl))
+    def optimizer_bytes_at(self, impl: str | None, numel: int) -> float:
+        """Bytes per element of `impl` on a tensor of `numel` elements: the small-tensor
+        figure up to `SMALL_TENSOR_NUMEL`, the large one from `LARGE_TENSOR_NUMEL`, and
+        in between along a straight line in log(numel)."""
+        large = self.optimizer_bytes(impl)
+        small = getattr(self, f"{impl or self.default_optimizer_impl}_small_bytes_per_element")
+        if small is None or numel >= LARGE_TENSOR_NUMEL:
+            return large
+        if numel <= SMALL_TENSOR_NUMEL:
+            return small
+        share = math.log(numel / SMALL_TENSOR_NUMEL) / math.log(LARGE_TENSOR_NUMEL / SMALL_TENSOR_NUMEL)
+        return small + (large - small) * share
+
+    def optimizer_seconds(self, elements: int, impl: str | None = None,
+                          tensor_numels: Sequence[int] = ()) -> float:
+        """One optimizer step with `impl` over `elements` master elements, held in tensors
+        of `tensor_numels` elements (default: one large tensor)."""
+        if not tensor_numels:
+            return self.moved_seconds(elements * self.optimizer_bytes(impl))
+        return self.moved_seconds(sum(n * self.optimizer_bytes_at(impl, n) for n in tensor_numels))
 
     def norm_seconds(self, elements: int, norm: str | None) -> float:
         """The global gradient norm over `elements` ("fp32" or "fp64"; None: none)."""
@@ -337,6 +369,6 @@ def median_profile(profiles: Iterable[ComputeProfile]) -> ComputeProfile:
                           median(p.tail_s for p in ps), f"{ps[0].source}, median of {len(ps)}")
 
 
-__all__ = ["DEFAULT_TOKENS", "FORWARD_SHARE", "ComputeProfile", "DeviceCompute", "backward_work",
-           "estimate_profile", "layer_kind", "median_profile", "profile_from_arrivals",
+__all__ = ["DEFAULT_TOKENS", "FORWARD_SHARE", "LARGE_TENSOR_NUMEL", "SMALL_TENSOR_NUMEL",
+           "ComputeProfile", "DeviceCompute", "backward_work", "estimate_profile", "layer_kind", "median_profile", "profile_from_arrivals",
            "profile_from_times"]

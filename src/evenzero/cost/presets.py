@@ -69,16 +69,20 @@ A100 = DeviceCompute(
 CPU_LOCAL = DeviceCompute(
     "cpu-local", tflops=0.1, memory_gbs=8.0, optimizer_bytes_per_element=124.0,
     default_optimizer_impl="single_tensor", foreach_bytes_per_element=50.0,
-    fused_bytes_per_element=15.0, norm_fp32_bytes_per_element=4.0,
+    fused_bytes_per_element=15.0, single_tensor_small_bytes_per_element=60.0,
+    foreach_small_bytes_per_element=20.0, fused_small_bytes_per_element=15.0,
+    norm_fp32_bytes_per_element=4.0,
     norm_fp64_bytes_per_element=90.0, tensor_overhead_us=80.0, param_overhead_us=1.0,
     comm_slowdown=0.3,
     sources="matmul, bandwidth and slowdown: rough guesses for one of 8 ranks on a 16-core "
             "x86 host (2 threads each), not measured; the step's figures relative to the "
             "copy bandwidth, measured on the project's 2-core host, one thread "
             "(`evenzero.calibration.measure_step_costs`, +-30%: a loaded machine): AdamW "
-            "single-tensor 124, foreach 50, fused 15 B/element, norms 4 (fp32 chunks) and "
-            "90 (fp64 copy) B/element, 80 us per tensor of a single-tensor step, 1 us per "
-            "parameter visit. `evenzero calibrate` measures them on your host")
+            "single-tensor 124, foreach 50, fused 15 B/element on 4M-element tensors, 60, "
+            "20 and 15 on 64K-element ones (their passes stay in the caches), norms 4 "
+            "(fp32 chunks) and 90 (fp64 copy) B/element, 80 us per tensor of a "
+            "single-tensor step, 1 us per parameter visit. `evenzero calibrate` measures "
+            "them on your host")
 
 
 def _nvlink_node(name: str, gpu: str, ar_ring: float, ar_nvls: float | None, rs: float,

@@ -334,8 +334,10 @@ def simulate(plan: Plan, cost: CostModel, profile: ComputeProfile,
         lanes.wait([lanes.launch(c)], "step needs it")
     lanes.compute(dev.moved_seconds(work.copy_bytes), "copy", "parameters and masters")
     impl = work.optimizer_impl or dev.default_optimizer_impl
-    lanes.compute(dev.optimizer_seconds(work.optimizer_elements, work.optimizer_impl),
-                  "optimizer", f"{impl} on {work.optimizer_elements:,} elements")
+    lanes.compute(dev.optimizer_seconds(work.optimizer_elements, work.optimizer_impl,
+                                        work.optimizer_tensor_numels),
+                  "optimizer", f"{impl} on {work.optimizer_elements:,} elements in "
+                               f"{work.optimizer_tensors:,} tensors")
     if gathers:
         lanes.wait([lanes.launch(c) for c in gathers], "parameters gathered")
 

@@ -178,24 +178,44 @@ def all_gathers(spec: ModelSpec, infos: tuple[GroupInfo, ...], layouts: list[Buc
 
 
 def step_work(plan: Plan, spec: ModelSpec, options: PlanOptions, *, norm: str | None = None,
-              optimizer_impl: str | None = None, flat: bool = False,
+              optimizer_impl: str | None = None,
+              tensors: Callable[[GroupInfo, int], list[int]] | None = None,
               copied: Callable[[GroupInfo], bool] = lambda g: False, copy_passes: int = 1,
               visits_params: bool = False) -> StepWork:
     """The step's own compute on one rank (`StepWork`): the optimizer over the rank's
     shards (everything, for an unsharded plan) with the user's implementation, else
-    `optimizer_impl` (None: torch's default), on one flat tensor per group (`flat`) or
-    on every parameter; the norm, if any, over the same elements; `copy_passes` passes
-    over parameter and master for the groups `copied` says keep a separate master; one
-    visit of every parameter by the step's own Python work if `visits_params`."""
+    `optimizer_impl` (None: torch's default), on the tensors `tensors(group, elements)`
+    lists (default: one flat tensor per group); the norm, if any, over the same
+    elements; `copy_passes` passes over parameter and master for the groups `copied`
+    says keep a separate master; one visit of every parameter by the step's own Python
+    work if `visits_params`."""
     master = DTYPE_BYTES[options.master_dtype]
     elements = {g.name: plan.shard_numel(g.name) if plan.sharded else g.numel for g in plan.groups}
     copies = sum(copy_passes * elements[g.name] * (master + DTYPE_BYTES[g.dtype])
                  for g in plan.groups if copied(g))
     total = sum(elements.values())
+    numels = tuple(n for g in plan.groups
+                   for n in (tensors(g, elements[g.name]) if tensors else [elements[g.name]])
+                   if n > 0)
     return StepWork(total, options.optimizer_impl or optimizer_impl, norm,
-                    total if norm else 0, copies,
-                    len(plan.groups) if flat else len(spec.params),
+                    total if norm else 0, copies, numels,
                     len(spec.params) if visits_params else 0)
+
+
+def per_param(spec: ModelSpec) -> Callable[[GroupInfo, int], list[int]]:
+    """`step_work`'s `tensors` for an optimizer over the parameters themselves (DDP; a
+    sharded one scales each by its share: FSDP2 and Megatron step each parameter's
+    shard)."""
+    def tensors(g: GroupInfo, elements: int) -> list[int]:
+        numels = [p.numel for p in spec.group_params(g.name) if p.numel > 0]
+        whole = sum(numels)
+        if whole == elements or not whole:
+            return numels
+        shares = [n * elements // whole for n in numels]
+        shares[-1] += elements - sum(shares)
+        return shares
+
+    return tensors
 
 
 def check_has_params(spec: ModelSpec) -> None:

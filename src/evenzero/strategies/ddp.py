@@ -45,6 +45,7 @@ from evenzero.strategies.common import (
     group_dtype,
     group_infos,
     message_itemsize,
+    per_param,
     step_work,
 )
 
@@ -140,7 +141,7 @@ def plan_ddp(spec: ModelSpec, world_size: int, options: PlanOptions | None = Non
                 memory=MemoryModel(GradsAtRest.FULL, aliased_groups=fp32))
     # The user's optimizer over every parameter, torch's default implementation, no norm;
     # 16-bit parameters get their update from an fp32 master (mixed precision).
-    return replace(plan, step_work=step_work(plan, spec, options,
+    return replace(plan, step_work=step_work(plan, spec, options, tensors=per_param(spec),
                                              copied=lambda g: g.name not in fp32))
 
 

@@ -161,7 +161,7 @@ def plan_with(strategy: str, dispatch: Dispatch, spec: ModelSpec, world_size: in
     # (runtime/engine.py `_configure_basic_optimizer`), steps one flat partition per
     # group; the norm and the overflow check walk every parameter's gradient.
     return replace(plan, step_work=step_work(plan, spec, options, norm="fp64",
-                                             optimizer_impl="fused", flat=True,
+                                             optimizer_impl="fused",
                                              copied=lambda g: True, visits_params=True))
 
 

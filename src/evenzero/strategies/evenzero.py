@@ -55,11 +55,20 @@ from evenzero.strategies.common import (
     check_has_params,
     completion_order,
     group_arrival,
-    group_dtype,
     group_infos,
     message_itemsize,
     step_work,
 )
+
+DEFAULT_OPTIMIZER_IMPL = "fused"
+"""The inner optimizer implementation the runtime runs when the user chose none: torch's
+fused kernels, on CPU and CUDA alike (torch.optim.AdamW(fused=True), torch >= 2.4);
+the runtime passes the one it runs in `PlanOptions.optimizer_impl`."""
+NORM = "fp32"
+"""How the step computes the global gradient norm (`StepWork.norm`)."""
+MASTER_PASSES = 2
+"""Passes over parameter and master per step where they are separate: the check for
+the user's writes, and the write-back of the update."""
 
 
 def cut_buckets(names: list[str], numel: dict[str, int], limit: int) -> list[list[str]]:
@@ -76,17 +85,6 @@ def cut_buckets(names: list[str], numel: dict[str, int], limit: int) -> list[lis
     if cur:
         out.append(cur)
     return out
-
-
-DEFAULT_OPTIMIZER_IMPL = "fused"
-"""The inner optimizer implementation the runtime runs when the user chose none: torch's
-fused kernels, on CPU and CUDA alike (torch.optim.AdamW(fused=True), torch >= 2.4);
-the runtime passes the one it runs in `PlanOptions.optimizer_impl`."""
-NORM = "fp32"
-"""How the step computes the global gradient norm (`StepWork.norm`)."""
-MASTER_PASSES = 2
-"""Passes over parameter and master per step where they are separate: the check for
-the user's writes, and the write-back of the update."""
 
 
 def plan_evenzero(spec: ModelSpec, world_size: int, options: PlanOptions | None = None) -> Plan:
@@ -130,8 +128,7 @@ def plan_fixed(spec: ModelSpec, world_size: int, options: PlanOptions) -> Plan:
     for g in infos:
         arrived, missing = group_arrival(spec, g.name)
         order = [n for n in arrived + missing if numel[n] > 0]
-        dtype = group_dtype(spec, g.name)
-        align_elems = max(1, options.alignment_bytes // DTYPE_BYTES[dtype])
+        align_elems = max(1, options.alignment_bytes // DTYPE_BYTES[g.dtype])
         limit = options.fixed_bucket_numel
         for i, names in enumerate(cut_buckets(order, numel, limit)):
             slots, off = [], 0
@@ -158,7 +155,7 @@ def plan_fixed(spec: ModelSpec, world_size: int, options: PlanOptions) -> Plan:
                 memory=memory_model(infos, options, casts))
     aliased = set(plan.memory.aliased_groups)
     return replace(plan, step_work=step_work(
-        plan, spec, options, norm=NORM, optimizer_impl=DEFAULT_OPTIMIZER_IMPL, flat=True,
+        plan, spec, options, norm=NORM, optimizer_impl=DEFAULT_OPTIMIZER_IMPL,
         copied=lambda g: g.name not in aliased, copy_passes=MASTER_PASSES, visits_params=True))
 
 

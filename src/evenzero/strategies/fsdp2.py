@@ -46,6 +46,7 @@ from evenzero.strategies.common import (
     group_dtype,
     group_infos,
     message_itemsize,
+    per_param,
     step_work,
 )
 
@@ -150,7 +151,7 @@ def plan_fsdp2(spec: ModelSpec, world_size: int, options: PlanOptions | None = N
                 execution=EXECUTION, memory=MEMORY)
     # The optimizer steps the sharded parameters themselves (_fsdp_param.py L316-331): no
     # master to copy; the user's optimizer with torch's default implementation, no norm.
-    return replace(plan, step_work=step_work(plan, spec, options))
+    return replace(plan, step_work=step_work(plan, spec, options, tensors=per_param(spec)))
 
 
 EXECUTION = Execution(max_in_flight=1, launch_in_order=False, copies_grads=True,

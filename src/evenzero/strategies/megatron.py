@@ -44,6 +44,7 @@ from evenzero.strategies.common import (
     completion_order,
     group_infos,
     message_itemsize,
+    per_param,
     step_work,
 )
 
@@ -116,7 +117,7 @@ def plan_megatron(spec: ModelSpec, world_size: int, options: PlanOptions | None 
     # the fused Adam of Transformer Engine or Apex; only 16-bit parameters have a master
     # to copy back (distrib_optimizer.py L445; for fp32 the shard is a view, L465-491).
     return replace(plan, step_work=step_work(
-        plan, spec, options, norm="fp32", optimizer_impl="fused",
+        plan, spec, options, norm="fp32", optimizer_impl="fused", tensors=per_param(spec),
         copied=lambda g: g.dtype != "float32"))
 
 
