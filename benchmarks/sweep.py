@@ -1,7 +1,7 @@
 """evenzero over world sizes and bucket sizes on CPU gloo: measured vs the cost model.
 
 For each world size W (one local job each), the job first calibrates a cost model on its
-own process group (`evenzero.cost.calibrate.measure`), then trains a dense GPT with one
+own process group (`evenzero.calibration.measure`), then trains a dense GPT with one
 evenzero system per bucket size, interleaved step by step, and records the median
 backward+step time. Each system's plan (`ZeroOptimizer.plan`) is priced by
 `evenzero.cost.predict` on the `gloo-local` preset and on the calibrated model.
@@ -37,8 +37,8 @@ CALIBRATION_SIZES = (2**12, 2**16, 2**18, 2**20, 2**22)
 def sweep_worker(ctx, payload: dict) -> dict:
     import torch.distributed as dist
 
+    from evenzero.calibration import measure
     from evenzero.cost import predict
-    from evenzero.cost.calibrate import measure
     from evenzero.cost.presets import cost_preset
     from evenzero.repro.gptmodel import GPT, gpt_batch, gpt_loss
     from evenzero.repro.sidebyside import EvenzeroSystem, InterleaveOptions, run_interleaved

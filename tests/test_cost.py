@@ -16,11 +16,11 @@ from evenzero.cost import (
     fit_op,
     predict,
 )
-from evenzero.cost.memory import DEEPSPEED_REDUCE_BUCKET
 from evenzero.cost.presets import PRESETS, cost_preset, default_cost_preset, load_cost_model
 from evenzero.model_presets import preset
-from evenzero.plan import Collective, GroupInfo, Plan
+from evenzero.plan import OPTIMIZER_IMPLS, Collective, GroupInfo, Plan
 from evenzero.strategies import PlanOptions, plan
+from evenzero.strategies.deepspeed import DEFAULT_REDUCE_BUCKET_SIZE as DEEPSPEED_REDUCE_BUCKET
 
 H100_IB = PRESETS["h100-ndr-ib"]
 A100_IB = PRESETS["a100-hdr-ib"]
@@ -242,7 +242,7 @@ def test_memory_model_by_strategy():
 
 
 def test_calibration_on_two_local_ranks_fits_what_it_measured():
-    from evenzero.cost.calibrate import run_local
+    from evenzero.calibration import run_local
 
     model, samples = run_local(2, sizes=(2**10, 2**18, 2**20, 2**22), repeats=7)
     assert {s.op for s in samples} == set(OPS) and all(s.group_size == 2 for s in samples)
@@ -255,6 +255,13 @@ def test_calibration_on_two_local_ranks_fits_what_it_measured():
     assert model.fitted_ranks == (2,) and model.extrapolation_warning(8)
     c = model.compute
     assert c.tflops > 0 and c.memory_gbs > 0 and c.optimizer_bytes_per_element > 0
+    # The step's own costs, measured: torch's three AdamW implementations on the CPU
+    # (single-tensor is its default there), both norms, per tensor and per parameter.
+    assert c.default_optimizer_impl == "single_tensor"
+    assert all(getattr(c, f"{impl}_bytes_per_element") > 0 for impl in OPTIMIZER_IMPLS)
+    assert c.norm_fp32_bytes_per_element > 0 and c.norm_fp64_bytes_per_element > 0
+    assert c.tensor_overhead_us > 0 and c.param_overhead_us > 0
+    assert not model.all_gather_copies_output  # the timed all-gather includes its copy
     errors = []
     for s in samples:
         predicted = model.time(s.op, 2, s.nbytes)
@@ -267,7 +274,7 @@ def test_calibration_on_two_local_ranks_fits_what_it_measured():
 
 @pytest.mark.slow
 def test_calibration_measures_expert_sized_subgroups_too():
-    from evenzero.cost.calibrate import run_local
+    from evenzero.calibration import run_local
 
     model, samples = run_local(4, sizes=(2**10, 2**16, 2**22), repeats=3)
     assert {s.group_size for s in samples} == {2, 4}

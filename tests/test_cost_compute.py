@@ -9,6 +9,8 @@ import pytest
 from evenzero.cost import OPS, CostModel, CostModelError, OpCost, Sample, Variant
 from evenzero.cost.compute import (
     DEFAULT_TOKENS,
+    LARGE_TENSOR_NUMEL,
+    SMALL_TENSOR_NUMEL,
     DeviceCompute,
     backward_work,
     estimate_profile,
@@ -16,6 +18,7 @@ from evenzero.cost.compute import (
     profile_from_arrivals,
     profile_from_times,
 )
+from evenzero.cost.model import FORMAT
 from evenzero.cost.presets import PRESETS
 from evenzero.model_presets import preset
 from evenzero.spec import ModelSpec, ParamSpec, SpecError
@@ -81,6 +84,84 @@ def test_device_compute_validation_json_and_overrides():
     assert CostModel.from_json(old).compute is None  # files from before compute existed
 
 
+FORMAT_1_COMPUTE = {"name": "old", "tflops": 0.05, "memory_gbs": 6.0,
+                    "optimizer_bytes_per_element": 120.0, "comm_slowdown": 0.4, "sources": "v1"}
+"""The compute section `evenzero calibrate` wrote before the step costs (file format 1)."""
+
+
+def test_step_costs_per_implementation_norm_and_parameter():
+    c = DeviceCompute("c", tflops=1, memory_gbs=1, optimizer_bytes_per_element=100.0,
+                      default_optimizer_impl="single_tensor", fused_bytes_per_element=20.0,
+                      tensor_overhead_us=50.0, param_overhead_us=2.0)
+    assert c.optimizer_bytes(None) == c.optimizer_bytes("single_tensor") == 100.0
+    assert c.optimizer_bytes("fused") == 20.0
+    assert c.optimizer_bytes("foreach") == 100.0  # not measured: as the default
+    assert c.optimizer_seconds(10**6, "fused") == pytest.approx(0.02)
+    assert c.norm_seconds(10**6, "fp32") == pytest.approx(0.004)
+    assert c.norm_seconds(10**6, "fp64") == pytest.approx(0.02)
+    assert c.norm_seconds(10**6, None) == 0.0
+    # Visits always; the per-tensor loop only for the single-tensor implementation.
+    assert c.bookkeeping_seconds(10, 4) == pytest.approx((20 + 200) * 1e-6)
+    assert c.bookkeeping_seconds(10, 4, "fused") == pytest.approx(20e-6)
+    assert c.with_optimizer_bytes(None, 90.0).optimizer_bytes_per_element == 90.0
+    assert c.with_optimizer_bytes("foreach", 60.0).optimizer_bytes("foreach") == 60.0
+    with pytest.raises(ValueError, match="not one of"):
+        c.optimizer_bytes("apex")
+    with pytest.raises(ValueError, match="default_optimizer_impl"):
+        DeviceCompute("x", tflops=1, memory_gbs=1, default_optimizer_impl="apex")
+    with pytest.raises(ValueError, match="fused_bytes_per_element must be a positive"):
+        DeviceCompute("x", tflops=1, memory_gbs=1, fused_bytes_per_element=0)
+    assert c.with_param("fused_bytes_per_element", "12").fused_bytes_per_element == 12.0
+
+
+def test_optimizer_cost_follows_tensor_size_between_the_two_figures():
+    c = DeviceCompute("c", tflops=1, memory_gbs=1, optimizer_bytes_per_element=100.0,
+                      default_optimizer_impl="single_tensor",
+                      single_tensor_small_bytes_per_element=40.0)
+    assert c.optimizer_bytes_at(None, SMALL_TENSOR_NUMEL // 2) == 40.0
+    assert c.optimizer_bytes_at(None, LARGE_TENSOR_NUMEL * 2) == 100.0
+    middle = int((SMALL_TENSOR_NUMEL * LARGE_TENSOR_NUMEL) ** 0.5)  # halfway in log(numel)
+    assert c.optimizer_bytes_at("single_tensor", middle) == pytest.approx(70.0, rel=1e-3)
+    assert c.optimizer_bytes_at("fused", 10) == 100.0  # no small figure: as on large tensors
+    # Many small tensors cost less per element than one large one of the same elements.
+    n = 2**22
+    assert c.optimizer_seconds(n, None, (2**16,) * 64) == pytest.approx(n * 40 / 1e9)
+    assert c.optimizer_seconds(n, None) == c.optimizer_seconds(n, None, (n,)) == n * 100 / 1e9
+    assert c.with_param("default_optimizer_impl", "fused").default_optimizer_impl == "fused"
+
+
+def test_cost_model_files_are_versioned_and_old_ones_load():
+    m = PRESETS["gloo-local"]
+    doc = m.to_json()
+    assert doc["format"] == FORMAT == 2 and "fused_bytes_per_element" in doc["compute"]
+    # Format 1: no "format" key, a compute section without the step costs. It loads; its
+    # one optimizer figure prices every implementation, the rest take the defaults.
+    old = {k: v for k, v in doc.items() if k not in ("format", "all_gather_copies_output")}
+    old["compute"] = FORMAT_1_COMPUTE
+    loaded = CostModel.from_json(json.loads(json.dumps(old)))
+    c = loaded.compute
+    assert c.optimizer_bytes("fused") == c.optimizer_bytes("foreach") == 120.0
+    assert c.norm_fp32_bytes_per_element == 4.0 and c.param_overhead_us == 0.0
+    assert not loaded.all_gather_copies_output
+    for bad in (3, "2", True):
+        with pytest.raises(CostModelError, match="format .* is not one this evenzero reads"):
+            CostModel.from_json({**doc, "format": bad})
+
+
+def test_presets_step_costs():
+    cpu = PRESETS["gloo-local"].compute
+    gpu = PRESETS["h100-nvlink-8"].compute
+    assert cpu.default_optimizer_impl == "single_tensor" and gpu.default_optimizer_impl == "foreach"
+    for c in (cpu, gpu):
+        assert c.optimizer_bytes("fused") < c.optimizer_bytes("foreach") <= c.optimizer_bytes(
+            "single_tensor")
+        assert c.norm_fp32_bytes_per_element < c.norm_fp64_bytes_per_element
+        assert c.param_overhead_us < c.tensor_overhead_us
+    assert gpu.optimizer_bytes("fused") == 28.0  # 7 fp32 streams
+    assert PRESETS["gloo-local"].all_gather_copies_output
+    assert not PRESETS["h100-nvlink-8"].all_gather_copies_output
+
+
 def test_variants_measured_at_a_size_price_only_that_size():
     exact = Variant("m2", 100.0, 1.0, group_size=2)
     generic = Variant("m", 800.0, 1.0, scaling="linear", step_us=50.0)
@@ -97,7 +178,7 @@ def test_variants_measured_at_a_size_price_only_that_size():
 
 
 def test_fit_model_across_group_sizes():
-    from evenzero.cost.calibrate import fit_model
+    from evenzero.cost.fit import fit_model
 
     def line(n):  # alpha grows 100 us per rank; 2 GB/s everywhere
         return lambda op, s: (200 + 100 * n) * 1e-6 + s / 2e9

@@ -4,13 +4,14 @@ size every rank agrees on (`evenzero.runtime.autotune`)."""
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
 
 from dist_helpers import run_distributed
 from evenzero.cost import CostModel, OpCost, Variant
-from evenzero.cost.autobucket import candidate_sizes, choose_bucket_numel
+from evenzero.cost.autobucket import candidate_sizes
 from evenzero.cost.compute import DeviceCompute
 from evenzero.runtime import autotune, backwardclock
 from evenzero.runtime.autotune import decide
@@ -21,7 +22,7 @@ from evenzero.runtime.backwardclock import (
     measured_profile,
 )
 from evenzero.spec import ModelSpec, ParamSpec
-from evenzero.strategies import PlanOptions
+from evenzero.strategies import PlanOptions, choose_bucket
 
 DEVICE = DeviceCompute("test", tflops=1.0, memory_gbs=1e3, optimizer_bytes_per_element=1.0)
 
@@ -116,8 +117,8 @@ def test_fake_measurement_gives_a_deterministic_choice():
     numel, note = decide(model, 8, slow, cost_model(), options)
     assert (numel, note) == decide(model, 8, slow, cost_model(), options)
     # The planner's rule on the measured profile, nothing else.
-    assert numel == choose_bucket_numel(model, 8, cost_model(), measured_profile(slow),
-                                        max_in_flight=2, options=options).numel
+    assert numel == choose_bucket(model, 8, replace(options, cost_model=cost_model(),
+                                                    compute=measured_profile(slow))).numel
     assert "measured gradient arrivals" in note
     # Long backward compute hides small buckets; negligible compute leaves nothing to
     # hide behind, so the fewest calls (one bucket) win.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -104,8 +106,14 @@ def test_evenzero_plan_properties(case):
         # The auto plan is the fixed plan of the size it chose, and says which.
         from evenzero.cost.autobucket import choose_bucket_numel
         from evenzero.cost.presets import PRESETS, default_cost_preset
+        from evenzero.strategies.evenzero import plan_fixed
 
-        choice = choose_bucket_numel(spec, world, PRESETS[default_cost_preset(world)])
+        def cut(numel):
+            return plan_fixed(spec, world, dataclasses.replace(options, bucket_numel=numel))
+
+        choice = choose_bucket_numel(spec, PRESETS[default_cost_preset(world)], cut,
+                                     memory_budget=options.bucket_memory_bytes,
+                                     reduce_dtype=options.reduce_dtype)
         auto_numel = choice.numel
         assert p.buckets == choice.plan.buckets and p.collectives == choice.plan.collectives
         assert p.notes[-1] == choice.note and f"{auto_numel:,} elements" in choice.note
@@ -183,3 +191,66 @@ def test_empty_model_is_a_plan_error():
         assert "no trainable parameters" in str(e)
     else:
         raise AssertionError("an empty model was planned")
+
+
+# --------------------------------------------------------------------------- runtime settings
+
+
+def _mixed() -> ModelSpec:
+    """An fp32 group and a bf16 group, 1000 elements each."""
+    return ModelSpec((ParamSpec("a", (1000,)), ParamSpec("b", (1000,), dtype="bfloat16", group="half")),
+                     groups=(GroupSpec("dense"), GroupSpec("half")))
+
+
+def test_stage_and_forward_gather_reach_the_plan_and_its_memory():
+    from evenzero.cost.memory import estimate_memory
+    from evenzero.plan import GradsAtRest
+
+    spec = _mixed()
+    two = plan_evenzero(spec, 4, PlanOptions(bucket_numel=600))
+    one = plan_evenzero(spec, 4, PlanOptions(bucket_numel=600, stage=1))
+    assert two.execution.copies_grads and not two.execution.overlap_param_gather
+    assert one.memory.grads_at_rest is GradsAtRest.BUFFERS_AND_SHARD
+    assert not one.execution.copies_grads  # gradients land in the buffers
+    shard = sum(two.shard_numel(g.name) for g in two.groups)
+    m2, m1 = estimate_memory(two), estimate_memory(one)
+    assert m2.grad_bytes == 4 * shard and m2.inflight_bytes > 0
+    # Stage 1 holds every bucket in the parameter dtype as well as the fp32 shard, and
+    # nothing in flight when no bucket is cast to another reduce dtype.
+    buffers = sum(b.numel * (4 if b.group == "dense" else 2) for b in one.buckets)
+    assert m1.grad_bytes == buffers + 4 * shard and m1.inflight_bytes == 0
+    cast = plan_evenzero(spec, 4, PlanOptions(bucket_numel=600, stage=1, reduce_dtype="float32"))
+    assert cast.execution.copies_grads and estimate_memory(cast).inflight_bytes > 0
+    gathered = plan_evenzero(spec, 4, PlanOptions(bucket_numel=600, overlap_param_gather=True))
+    assert gathered.execution.overlap_param_gather
+    assert gathered.collectives == two.collectives
+
+
+def test_fp32_masters_are_the_parameters_own_memory():
+    from evenzero.cost.memory import estimate_memory
+
+    spec = _mixed()
+    p = plan_evenzero(spec, 4, PlanOptions(bucket_numel=600))
+    shard = {g.name: p.shard_numel(g.name) for g in p.groups}
+    assert p.memory.aliased_groups == ("dense",)
+    # Adam's two fp32 states everywhere; a separate fp32 master only for the bf16 group:
+    # 4 bytes per parameter over N less than a copy for every group.
+    assert estimate_memory(p).optimizer_bytes == 8 * shard["dense"] + 12 * shard["half"]
+    assert p.step_work.copy_bytes == 2 * shard["half"] * (4 + 2)
+    wide = plan_evenzero(spec, 4, PlanOptions(bucket_numel=600, master_dtype="float64"))
+    assert wide.memory.aliased_groups == () and wide.memory.master_itemsize == 8
+    assert estimate_memory(wide).optimizer_bytes == 24 * (shard["dense"] + shard["half"])
+    assert "64-bit grad shard" in estimate_memory(wide).basis
+
+
+def test_the_optimizer_implementation_and_norm_reach_the_step_work():
+    spec = _mixed()
+    default = plan_evenzero(spec, 4, PlanOptions(bucket_numel=600))
+    chosen = plan_evenzero(spec, 4, PlanOptions(bucket_numel=600, optimizer_impl="foreach"))
+    assert default.step_work.optimizer_impl == "fused" and default.step_work.norm == "fp32"
+    assert chosen.step_work.optimizer_impl == "foreach"
+    elements = sum(default.shard_numel(g.name) for g in default.groups)
+    assert default.step_work.optimizer_elements == default.step_work.norm_elements == elements
+    assert default.step_work.optimizer_tensor_numels == tuple(
+        default.shard_numel(g.name) for g in default.groups)  # one flat shard per group
+    assert default.step_work.optimizer_tensors == 2 and default.step_work.params == 2

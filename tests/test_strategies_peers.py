@@ -287,3 +287,37 @@ def test_megatron_fsdp2_ddp_message_totals(case):
     for g in ddp.groups:
         assert [c.bucket for c in ddp.backward() if c.group == g.name] == list(
             range(len(ddp.group_buckets(g.name))))
+
+
+# --------------------------------------------------------------------------- step work
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_each_peer_plans_the_step_its_system_runs(dtype):
+    spec = spec_of({"a": (64, 8), "b": (40,), "c": (16, 16)}, dtype=dtype)
+    half = dtype != "float32"
+    work = {name: plan(spec, 4, name).step_work for name in PEERS}
+    shards = {name: sum(p.shard_numel(g.name) for g in p.groups)
+              for name in SHARDED for p in [plan(spec, 4, name)]}
+    # DeepSpeed: an fp64 norm copy, FusedAdam on one flat partition, the fp32 master a
+    # clone even of fp32 parameters (copied back every step).
+    ds = work["deepspeed"]
+    assert (ds.norm, ds.optimizer_impl, ds.optimizer_tensor_numels) == (
+        "fp64", "fused", (shards["deepspeed"],))
+    assert ds.copy_bytes == shards["deepspeed"] * (4 + (2 if half else 4))
+    # Megatron: an fp32 norm, fused Adam over each parameter's shard; only 16-bit
+    # parameters have a master to copy back.
+    mg = work["megatron"]
+    assert (mg.norm, mg.optimizer_impl) == ("fp32", "fused")
+    assert sum(mg.optimizer_tensor_numels) == shards["megatron"] and len(mg.optimizer_tensor_numels) == 3
+    assert (mg.copy_bytes > 0) == half
+    # FSDP2 steps the sharded parameters: no norm, no master, torch's default.
+    fs = work["fsdp2"]
+    assert (fs.norm, fs.optimizer_impl, fs.copy_bytes) == (None, None, 0)
+    assert sum(fs.optimizer_tensor_numels) == shards["fsdp2"]
+    # DDP: every parameter, whole; 16-bit ones through an fp32 master.
+    dd = work["ddp"]
+    assert dd.optimizer_tensor_numels == (512, 40, 256) and dd.optimizer_elements == 808
+    assert (dd.norm, dd.optimizer_impl) == (None, None) and (dd.copy_bytes > 0) == half
+    chosen = plan(spec, 4, "ddp", PlanOptions(optimizer_impl="fused")).step_work
+    assert chosen.optimizer_impl == "fused"

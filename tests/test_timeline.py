@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -11,7 +13,17 @@ from evenzero.cost.compute import ComputeProfile, DeviceCompute
 from evenzero.cost.presets import PRESETS
 from evenzero.cost.timeline import COMM, COMPUTE, simulate
 from evenzero.model_presets import preset
-from evenzero.plan import BACKWARD, STEP, Bucket, Collective, Execution, GroupInfo, Plan, Slot
+from evenzero.plan import (
+    BACKWARD,
+    STEP,
+    Bucket,
+    Collective,
+    Execution,
+    GroupInfo,
+    Plan,
+    Slot,
+    StepWork,
+)
 from evenzero.spec import GroupSpec, ModelSpec, ParamSpec
 from evenzero.strategies import STRATEGY_NAMES, PlanOptions, plan
 
@@ -208,3 +220,75 @@ def test_timeline_properties(case):
     assert dearer.total_s >= t.total_s - 1e-12
     free = simulate(p, flat_cost(0.0), prof)
     assert free.total_s == pytest.approx(free.compute_s, abs=1e-12)
+
+
+# --------------------------------------------------------------------------- the step's work
+
+
+STEPPY = DeviceCompute("steppy", tflops=1.0, memory_gbs=1.0, optimizer_bytes_per_element=10.0,
+                       default_optimizer_impl="single_tensor", fused_bytes_per_element=2.0,
+                       norm_fp32_bytes_per_element=4.0, norm_fp64_bytes_per_element=20.0,
+                       tensor_overhead_us=100.0, param_overhead_us=10.0)
+"""1 GB/s, so 1e6 bytes of traffic is 1 ms."""
+
+
+def stepped(work: StepWork, gather_copies: bool = False):
+    step = (Collective(STEP, "all_reduce", "world", 4, None, None, 0, 8),
+            Collective(STEP, "all_gather", "g", 4, None, 0, 0, 250_000))
+    p = replace(tiny_plan({0: ["a"]}, Execution(copies_grads=False), step), step_work=work)
+    cost = replace(flat_cost(1.0, STEPPY), all_gather_copies_output=gather_copies)
+    return simulate(p, cost, profile("a"))
+
+
+def spans(t, kind: str) -> list[float]:
+    return [round((s.end - s.start) / MS, 6) for s in t.segments
+            if s.lane == COMPUTE and s.kind == kind]
+
+
+def test_the_step_charges_bookkeeping_norm_copies_and_the_optimizer():
+    work = StepWork(optimizer_elements=10**5, optimizer_impl=None, norm="fp64",
+                    norm_elements=10**5, copy_bytes=3 * 10**6,
+                    optimizer_tensor_numels=(5000,) * 20, params=100)
+    t = stepped(work)
+    # bookkeeping: 100 visits x 10 us + 20 tensors x 100 us (single-tensor, the default)
+    assert spans(t, "bookkeeping") == [3.0]
+    assert spans(t, "norm") == [2.0]  # 1e5 x 20 B at 1 GB/s
+    assert spans(t, "copy") == [3.0]
+    assert spans(t, "optimizer") == [1.0]  # 1e5 x 10 B, the default implementation
+    # backward 1 + RS 1, bookkeeping 3, norm 2, all-reduce 1, copies 3, optimizer 1, gather 1
+    assert t.total_s == pytest.approx(13 * MS)
+    kinds = [s.kind for s in t.segments if s.lane == COMPUTE and s.kind != "wait"]
+    assert kinds == ["backward", "bookkeeping", "norm", "copy", "optimizer"]
+    # fused: its own bytes, no per-tensor loop; an fp32 norm; masters aliased: no copy.
+    fused = stepped(replace(work, optimizer_impl="fused", norm="fp32", copy_bytes=0))
+    assert spans(fused, "bookkeeping") == [1.0] and spans(fused, "norm") == [0.4]
+    assert spans(fused, "optimizer") == [0.2] and spans(fused, "copy") == []
+    assert fused.total_s == pytest.approx(5.6 * MS)
+
+
+def test_a_gather_that_copies_out_of_a_temporary_pays_the_copy():
+    work = StepWork(optimizer_elements=0)
+    plain, copying = stepped(work), stepped(work, gather_copies=True)
+    # 250,000 x 4 B read and written again at 1 GB/s: 2 ms more on the comm lane.
+    assert copying.total_s - plain.total_s == pytest.approx(2 * MS)
+    assert comm_spans(copying)[-1][1] - comm_spans(copying)[-1][0] == pytest.approx(3)
+
+
+def test_a_plan_without_step_work_runs_the_default_optimizer_only():
+    p = tiny_plan({0: ["a"]}, Execution(copies_grads=False))
+    t = simulate(p, flat_cost(1.0, STEPPY), profile("a"))
+    assert spans(t, "optimizer") == [pytest.approx(4 * 10 / 4 * 1e-6)]  # 4 elements / 4 ranks
+    assert spans(t, "norm") == spans(t, "copy") == []
+    assert spans(t, "bookkeeping") == [0.1]  # the single-tensor loop over its one tensor
+
+
+def test_evenzero_step_predicts_less_with_aliased_masters_and_a_fused_optimizer():
+    spec = preset("seed-moe")
+    cost = PRESETS["gloo-local"]
+    fast = plan(spec, 8, "evenzero", PlanOptions(bucket_numel=2**22))
+    slow = plan(spec, 8, "evenzero", PlanOptions(bucket_numel=2**22, master_dtype="float64",
+                                                 optimizer_impl="single_tensor"))
+    assert fast.step_work.copy_bytes == 0 and slow.step_work.copy_bytes > 0
+    assert fast.step_work.optimizer_impl == "fused"
+    prof = ComputeProfile(tuple((n, MS) for n in spec.arrival_order), 10 * MS)
+    assert simulate(fast, cost, prof).step_phase_s < simulate(slow, cost, prof).step_phase_s

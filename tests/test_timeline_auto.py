@@ -30,6 +30,14 @@ def cost(alpha_us: float, busbw_gbs: float) -> CostModel:
     return CostModel("test", "", op, op, op, op, compute=DEVICE)
 
 
+def choose(spec: ModelSpec, world: int, model: CostModel, compute=None, memory_budget=None):
+    """The cost layer's choice over evenzero's cut of `spec`."""
+    def cut(numel: int):
+        return plan_evenzero(spec, world, PlanOptions(bucket_numel=numel))
+
+    return choose_bucket_numel(spec, model, cut, compute, memory_budget)
+
+
 def layers(n: int = 32, dim: int = 1024, tokens: int = 4096) -> ModelSpec:
     """n square layers, fp32: 4 x tokens x dim^2 FLOPs of backward each."""
     return ModelSpec(tuple(ParamSpec(f"l{i}.weight", (dim, dim)) for i in range(n)),
@@ -39,7 +47,7 @@ def layers(n: int = 32, dim: int = 1024, tokens: int = 4096) -> ModelSpec:
 def test_overlap_pays_so_several_buckets():
     # 32 x 17 ms of backward; 4 MiB per layer at ~1 GB/s is 3.7 ms; 50 us per call.
     spec = layers()
-    choice = choose_bucket_numel(spec, 8, cost(50, 1.0))
+    choice = choose(spec, 8, cost(50, 1.0))
     single = max(choice.candidates, key=lambda c: c.numel)
     assert 1 < len(choice.plan.buckets) <= 32 and choice.numel < single.numel
     assert choice.timeline.total_s < 0.9 * single.step_s
@@ -62,7 +70,7 @@ def test_overlap_pays_so_several_buckets():
 def test_latency_dominates_so_one_bucket():
     # Tiny compute, 50 ms per call: every extra call is a loss.
     spec = layers(n=8, dim=256, tokens=1)
-    choice = choose_bucket_numel(spec, 8, cost(50_000, 100.0))
+    choice = choose(spec, 8, cost(50_000, 100.0))
     assert len(choice.plan.buckets) == 1 and choice.numel == spec.numel
 
 
@@ -70,7 +78,7 @@ def test_ties_go_to_fewer_buckets():
     # No communication cost and no compute: every size predicts the same step.
     spec = layers(n=8, dim=256, tokens=1)
     free = CostModel("free", "", *([OpCost((Variant("x", 0.0, 1e12),))] * 4), compute=DEVICE)
-    assert len(choose_bucket_numel(spec, 4, free).plan.buckets) == 1
+    assert len(choose(spec, 4, free).plan.buckets) == 1
 
 
 def test_stressed_model_is_slower_communication_only():
@@ -87,13 +95,13 @@ def test_memory_budget_is_respected():
     held = inflight_bytes(plan_evenzero(spec, 8, PlanOptions(bucket_numel=spec.numel)), 2)
     assert held == 32 * 2**22  # one bucket of every gradient
     for budget in (2**24, 2**26):  # 16 MiB: 2 x 2 layers; 64 MiB: 2 x 8 layers
-        choice = choose_bucket_numel(spec, 8, cost(50_000, 100.0), memory_budget=budget)
+        choice = choose(spec, 8, cost(50_000, 100.0), memory_budget=budget)
         assert inflight_bytes(choice.plan, 2) <= budget
         assert {c.fits for c in choice.candidates} == {True, False}
         assert all(c.fits == (c.inflight_bytes <= budget) for c in choice.candidates)
         assert f"{budget / 2**20:.1f} MiB budget" in choice.note
     # Under one parameter: nothing fits, the least memory is taken and the note says so.
-    tight = choose_bucket_numel(spec, 8, cost(50, 1.0), memory_budget=2**20)
+    tight = choose(spec, 8, cost(50, 1.0), memory_budget=2**20)
     assert len(tight.plan.buckets) == 32 and "no size fits" in tight.note
 
 
@@ -112,7 +120,7 @@ def test_explicit_size_wins_and_auto_is_the_default():
     assert len(fixed.buckets) == 16 and not any("auto" in n for n in fixed.notes)
     assert fixed.bucket_numel == 2**21
     auto = plan_evenzero(spec, 8, PlanOptions(cost_model=cost(50, 1.0)))
-    chosen = choose_bucket_numel(spec, 8, cost(50, 1.0)).numel
+    chosen = choose(spec, 8, cost(50, 1.0)).numel
     assert auto.bucket_numel == chosen  # the plan records the size "auto" chose
     assert auto == plan_evenzero(spec, 8, PlanOptions(bucket_numel="auto", cost_model=cost(50, 1.0)))
     assert auto.notes[-1].startswith("bucket_numel auto: ") and "cost model test" in auto.notes[-1]
@@ -124,15 +132,15 @@ def test_measured_compute_decides_for_the_runtime():
     """The runtime's entry point: seconds per parameter instead of FLOPs."""
     spec = layers(tokens=1)  # by FLOPs, next to no compute: one bucket
     model = cost(50, 1.0)
-    by_flops = choose_bucket_numel(spec, 8, model)
+    by_flops = choose(spec, 8, model)
     measured = {p.name: 20e-3 for p in spec.params}  # the first backwards said 20 ms each
-    by_time = choose_bucket_numel(spec, 8, model, measured)
+    by_time = choose(spec, 8, model, measured)
     assert len(by_flops.plan.buckets) < len(by_time.plan.buckets)
     assert by_time.note.endswith("compute: measured")
-    again = choose_bucket_numel(spec, 8, model, profile_from_times(spec, measured))
+    again = choose(spec, 8, model, profile_from_times(spec, measured))
     assert again.numel == by_time.numel
     with pytest.raises(ValueError, match="does not have"):
-        choose_bucket_numel(spec, 8, model, {"nope": 1.0})
+        choose(spec, 8, model, {"nope": 1.0})
 
 
 def test_default_plans_of_the_presets():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 from functools import cached_property
 
 
@@ -217,6 +218,10 @@ class GroupInfo:
     """1 for dense groups. For experts, the group of rank r is {r % E + k*E}."""
     numel: int = 0
     """Trainable elements in the group on one rank, padding excluded."""
+    dtype: str = field(default="float32", repr=False)
+    """Dtype of the group's parameters (a name of `evenzero.spec.DTYPE_BYTES`). Not in
+    the repr: `runtime.optstate.layout_fingerprint` hashes the repr of a plan's groups,
+    and a rank state dict saved before this field existed must still load."""
 
     def ranks_of(self, global_rank: int, world_size: int) -> tuple[int, ...]:
         e = self.expert_parallel_size
@@ -258,6 +263,106 @@ class Execution:
             raise PlanError(f"max_in_flight must be None or a non-negative integer, got {m!r}")
 
 
+class GradsAtRest(Enum):
+    """What gradient memory a rank holds between backward and step."""
+
+    MASTER_SHARD = "fp32 grad shard"
+    """A shard of 1/N of every layout (padding included), in the master dtype."""
+    MESSAGE_SHARD = "partition grads"
+    """This rank's partition of the gradients, in the message dtype."""
+    PADDED_BUFFER = "full padded grad buffer"
+    """The whole padded gradient buffer, in the message dtype, on every rank."""
+    FULL = "full grads (bucket views)"
+    """Every gradient, in the message dtype, on every rank."""
+    BUFFERS_AND_SHARD = "full grad buffers + fp32 grad shard"
+    """A persistent buffer per bucket in the parameter dtype (gradients land in it),
+    and the master-dtype shard the reductions accumulate into (evenzero's stage 1)."""
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """How a plan's gradient, communication and optimizer memory scales, set by its
+    planner (`evenzero.cost.memory.estimate_memory` turns it into bytes per rank)."""
+
+    grads_at_rest: GradsAtRest
+    """Gradient memory held between backward and step."""
+    buckets_in_flight: int = 0
+    """Buffers of the largest bucket alive during backward, in the message dtype."""
+    reserved_buffer_numel: int | None = None
+    """A communication buffer of this many elements allocated whatever the model
+    (DeepSpeed's IPG buffer of `reduce_bucket_size`)."""
+    in_flight_basis: str = ""
+    """How the in-flight memory is described in the estimate's basis line."""
+    master_itemsize: int = 4
+    """Bytes of one master element; Adam's two states per element are of that dtype too."""
+    aliased_groups: tuple[str, ...] = ()
+    """Groups whose master is the parameters' own memory (evenzero: fp32 parameters with
+    fp32 masters step the owned slice of the flat parameter buffer; DDP: the parameters
+    themselves), so no separate master is held."""
+
+    def __post_init__(self) -> None:
+        for name in ("buckets_in_flight", "master_itemsize"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise PlanError(f"{name} must be a non-negative integer, got {v!r}")
+
+
+OPTIMIZER_IMPLS = ("single_tensor", "foreach", "fused")
+"""torch.optim's implementations of an elementwise step (`StepWork.optimizer_impl`)."""
+NORMS = ("fp32", "fp64")
+"""Ways a step computes the global gradient norm (`StepWork.norm`)."""
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """The compute of one rank's optimizer step besides its collectives, as amounts of
+    work; `evenzero.cost.compute.DeviceCompute` prices each kind on a device and the
+    timeline charges them between backward and the parameter all-gathers."""
+
+    optimizer_elements: int
+    """Elements the optimizer updates on one rank: its shards, or every one (DDP)."""
+    optimizer_impl: str | None = None
+    """How torch.optim steps them: "single_tensor", "foreach" or "fused"; None: torch's
+    default on the device (`DeviceCompute.default_optimizer_impl`)."""
+    norm: str | None = None
+    """The global gradient norm computed before the step: "fp32" (fp32 norms of chunks,
+    combined in fp64), "fp64" (a copy of the gradients in fp64, then its norm); None:
+    the step computes none."""
+    norm_elements: int = 0
+    """Gradient elements the norm reads on one rank."""
+    copy_bytes: int = 0
+    """Bytes read plus bytes written per step between the parameters and separate
+    masters (picking up the user's writes, writing the update back); 0 where the master
+    is the parameters' own memory (`MemoryModel.aliased_groups`)."""
+    optimizer_tensor_numels: tuple[int, ...] = ()
+    """Elements of each tensor the optimizer steps (one flat shard per group, or every
+    parameter or its shard): a multi-pass implementation is cheaper per element on a
+    tensor small enough for its passes to stay in the caches, and a single-tensor one
+    pays `DeviceCompute.tensor_overhead_us` per tensor. Empty: one tensor."""
+    params: int = 0
+    """Parameters the step's own Python work visits once each (presence, the user's
+    writes, state), each charged `DeviceCompute.param_overhead_us`."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer_impl not in (None, *OPTIMIZER_IMPLS):
+            raise PlanError(f"optimizer implementation {self.optimizer_impl!r} is not one of "
+                            f"{OPTIMIZER_IMPLS}")
+        if self.norm not in (None, *NORMS):
+            raise PlanError(f"norm {self.norm!r} is not one of {NORMS} or None")
+        for name in ("optimizer_elements", "norm_elements", "copy_bytes", "params"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise PlanError(f"{name} must be a non-negative integer, got {v!r}")
+        if self.optimizer_tensor_numels and sum(self.optimizer_tensor_numels) != self.optimizer_elements:
+            raise PlanError(f"optimizer tensors hold {sum(self.optimizer_tensor_numels):,} "
+                            f"elements, not the {self.optimizer_elements:,} the step updates")
+
+    @property
+    def optimizer_tensors(self) -> int:
+        """Tensors the optimizer steps."""
+        return len(self.optimizer_tensor_numels) or 1
+
+
 @dataclass(frozen=True)
 class Plan:
     """A strategy's complete plan for one model on one world size."""
@@ -281,6 +386,12 @@ class Plan:
     bucket_numel: int | None = None
     """The bucket size (elements) the buckets were cut with, where the strategy cuts by
     one (evenzero: the fixed size, or the one "auto" chose); None otherwise."""
+    memory: MemoryModel | None = None
+    """How its memory scales (`evenzero.cost.memory`); None: a planner that says nothing,
+    estimated as one bucket in flight and a partition of gradients (`GENERIC_MEMORY`)."""
+    step_work: StepWork | None = None
+    """The optimizer step's compute (for timeline predictions); None: the optimizer on
+    the rank's elements, torch's default implementation, nothing else."""
 
     def group(self, name: str) -> GroupInfo:
         for g in self.groups:

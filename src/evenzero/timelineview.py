@@ -2,7 +2,7 @@
 
 The table answers "how long is a step, and how much of the communication is left
 exposed" per strategy; the chart shows why: the compute lane (forward, backward in
-arrival order, copies into buckets, waits, the optimizer) above the comm lane (each
+arrival order, copies into buckets, waits, the step's own work) above the comm lane (each
 collective where it ran), so a reduction hidden behind backward, a bucket waiting
 behind an incomplete one or a flush after backward can be seen at a glance.
 """
@@ -23,9 +23,11 @@ from evenzero.planview import human_seconds
 COLUMNS = ("strategy", "forward", "backward", "exposed comm", "comm (hidden)", "after backward",
            "step time")
 CAPTION = ("predicted: backward runs until its last reduction is done; exposed comm = step "
-           "time - compute alone; after backward = step collectives + optimizer")
+           "time - compute alone; after backward = step collectives + the step's own work "
+           "(bookkeeping, norm, master copies, optimizer)")
 COMPUTE_COLOURS = {"forward": "#9ecae1", "backward": "#3182bd", "copy": "#fd8d3c",
-                   "wait": "#fcbba1", "optimizer": "#31a354"}
+                   "wait": "#fcbba1", "bookkeeping": "#bcbddc", "norm": "#74c476",
+                   "optimizer": "#31a354"}
 COMM_COLOURS = {"reduce_scatter": "#636363", "reduce": "#756bb1", "all_reduce": "#bdbdbd",
                 "all_gather": "#969696"}
 

@@ -13,9 +13,16 @@ import json
 import logging
 import os
 
-from evenzero.commands import CommandError, UsageError, int_in, output_path, write_failed
-from evenzero.cost import CostModel
-from evenzero.repro.localrun import MAX_LOCAL_RANKS
+from evenzero.commands import (
+    MAX_LOCAL_RANKS,
+    CommandError,
+    UsageError,
+    int_in,
+    output_path,
+    write_failed,
+)
+from evenzero.cost.model import CostModel
+from evenzero.plan import OPTIMIZER_IMPLS
 
 MAX_SIZE = 2**28
 """Largest message swept, in fp32 elements (1 GiB per buffer per rank)."""
@@ -35,7 +42,7 @@ def add_arguments(c: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from evenzero.cost import calibrate
+    from evenzero import calibration as calibrate
 
     sizes = args.sizes or calibrate.DEFAULT_SIZES
     json_path = output_path("--json", args.json) if args.json else None
@@ -104,5 +111,11 @@ def _print_calibration(model: CostModel, samples) -> None:
     if model.compute is not None:
         c = model.compute
         console.print(f"compute per rank: {c.tflops * 1e3:.1f} GFLOP/s matmul, {c.memory_gbs:.1f} "
-                      f"GB/s copy, optimizer {c.optimizer_bytes_per_element:.0f} B/element, "
-                      f"{c.comm_slowdown:.2f}x slower beside a collective", highlight=False)
+                      f"GB/s copy, {c.comm_slowdown:.2f}x slower beside a collective",
+                      highlight=False)
+        impls = ", ".join(f"{impl} {c.optimizer_bytes(impl):.0f}" for impl in OPTIMIZER_IMPLS)
+        console.print(f"step per rank: AdamW {impls} B/element (default {c.default_optimizer_impl}); "
+                      f"norm fp32 {c.norm_fp32_bytes_per_element:.1f}, fp64 "
+                      f"{c.norm_fp64_bytes_per_element:.1f} B/element; "
+                      f"{c.tensor_overhead_us:.0f} us per tensor of a single-tensor step, "
+                      f"{c.param_overhead_us:.1f} us per parameter visit", highlight=False)

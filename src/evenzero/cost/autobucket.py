@@ -1,4 +1,4 @@
-"""evenzero's `bucket_numel="auto"`: the bucket size with the shortest predicted step.
+"""`bucket_numel="auto"`: the bucket size with the shortest predicted step.
 
 Small buckets start reducing early and hide behind backward, but every call pays a
 latency and the calls queue behind each other; one bucket per group pays the fewest
@@ -33,22 +33,26 @@ activations, and small models often do best with one bucket) and never more than
 evenzero default asks for more than a DeepSpeed user already budgets). Pass
 `memory_budget` (or `PlanOptions.bucket_memory_bytes`) to change it.
 
-`choose_bucket_numel` is the entry point the runtime calls with measured compute times
-and a measured cost model; `plan_auto` is the planner's default path.
+`choose_bucket_numel` takes the planner's cut, `cut(numel) -> Plan`, so the choice knows
+nothing of how a strategy lays out buckets: evenzero's planner passes its own
+(`evenzero.strategies.evenzero.choose_bucket`, which the planner's default path and the
+runtime's refinement after the first backwards both call, the latter with measured
+compute and a measured cost model).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from evenzero.cost import CostModel
 from evenzero.cost.compute import (
     ComputeProfile,
     DeviceCompute,
     estimate_profile,
     profile_from_times,
 )
+from evenzero.cost.model import OPS, CostModel
+from evenzero.cost.presets import H100
 from evenzero.cost.timeline import Timeline, simulate
 from evenzero.plan import Plan
 from evenzero.spec import DTYPE_BYTES, ModelSpec
@@ -92,7 +96,7 @@ class BucketChoice:
     numel: int
     """Chosen bucket size, in elements."""
     plan: Plan
-    """The evenzero plan with that size."""
+    """The plan the cut makes with that size."""
     timeline: Timeline
     """Its predicted step."""
     budget_bytes: int
@@ -115,11 +119,15 @@ def default_memory_budget(spec: ModelSpec, reduce_dtype: str | None = None) -> i
     return int(min(BUDGET_CAP, max(BUDGET_FLOOR, share)))
 
 
-def inflight_bytes(plan: Plan, max_in_flight: int) -> int:
-    """Bucket input buffers the runtime's pool holds at most: one per bucket in flight,
-    each the size of the largest (an evenzero bucket is one reduce-scatter)."""
+def inflight_bytes(plan: Plan, max_in_flight: int | None = None) -> int:
+    """Bucket input buffers the runtime's pool holds at most: one per bucket in flight
+    (`max_in_flight`, default the plan's `Execution.max_in_flight`: None there means no
+    limit, 0 one bucket at a time), each the size of the largest (an evenzero bucket is
+    one reduce-scatter)."""
     sizes = [c.nbytes for c in plan.backward()]
-    return min(max_in_flight, len(sizes)) * max(sizes, default=0)
+    limit = plan.execution.max_in_flight if max_in_flight is None else max_in_flight
+    held = len(sizes) if limit is None else min(max(limit, 1), len(sizes))
+    return held * max(sizes, default=0)
 
 
 def candidate_sizes(spec: ModelSpec) -> list[int]:
@@ -135,8 +143,6 @@ def candidate_sizes(spec: ModelSpec) -> list[int]:
 def device_or_default(cost: CostModel) -> DeviceCompute:
     """The cost model's compute figures; a model without them (a calibration saved before
     they were measured) gets the H100's, and the choice's note names them."""
-    from evenzero.cost.presets import H100
-
     return cost.compute or H100
 
 
@@ -150,43 +156,43 @@ def as_profile(spec: ModelSpec, device: DeviceCompute,
     return estimate_profile(spec, device)
 
 
-def choose_bucket_numel(spec: ModelSpec, world_size: int, cost_model: CostModel,
+Cut = Callable[[int], Plan]
+"""A planner with everything but the bucket size fixed: `cut(numel)` is its plan with
+buckets of at most `numel` elements."""
+
+
+def choose_bucket_numel(spec: ModelSpec, cost_model: CostModel, cut: Cut,
                         compute: ComputeProfile | Mapping[str, float] | None = None,
-                        memory_budget: int | None = None, max_in_flight: int = 2,
-                        options=None) -> BucketChoice:
-    """The evenzero bucket size with the shortest predicted step within `memory_budget`.
+                        memory_budget: int | None = None,
+                        reduce_dtype: str | None = None) -> BucketChoice:
+    """The bucket size whose plan has the shortest predicted step within `memory_budget`.
 
     Args:
-        spec: the model (its arrival order is the one the plan is made for).
-        world_size: data-parallel ranks.
+        spec: the model (its arrival order is the one the plans are made for).
         cost_model: collective costs, with compute figures (`CostModel.compute`) unless
             `compute` gives measured times.
+        cut: the planner, `cut(numel) -> Plan`; its plans' `Execution` says how many
+            buckets are in flight at once.
         compute: a `ComputeProfile` (e.g. `profile_from_arrivals` of the first
             backwards), `{param_name: seconds}`, or None for FLOPs estimates.
         memory_budget: bytes the in-flight bucket buffers may take; None: the default.
-        max_in_flight: the runtime's `max_buckets_in_flight`.
-        options: `PlanOptions` for everything else (alignment, reduce dtype).
+        reduce_dtype: the message dtype, for the default budget (None: the parameters').
 
     Every rank that calls it with the same arguments gets the same answer (pure).
     """
-    from evenzero.strategies.common import PlanOptions
-    from evenzero.strategies.evenzero import plan_fixed
-
-    options = options or PlanOptions()
     device = device_or_default(cost_model)
     profile = as_profile(spec, device, compute)
-    budget = memory_budget or default_memory_budget(spec, options.reduce_dtype)
+    budget = memory_budget or default_memory_budget(spec, reduce_dtype)
     stressed_model = slower_communication(cost_model, STRESS)
     tried: dict[tuple, tuple[Candidate, Plan, Timeline]] = {}
     for numel in candidate_sizes(spec):
-        plan = plan_fixed(spec, world_size, replace(options, bucket_numel=numel,
-                                                    max_buckets_in_flight=max_in_flight))
+        plan = cut(numel)
         key = tuple((b.group, b.numel) for b in plan.buckets)
         if key in tried:
             continue
         timeline = simulate(plan, cost_model, profile, device=device)
         stressed = simulate(plan, stressed_model, profile, device=device).total_s
-        held = inflight_bytes(plan, max_in_flight)
+        held = inflight_bytes(plan)
         tried[key] = (Candidate(numel, len(plan.buckets), timeline.total_s, stressed, held,
                                 held <= budget), plan, timeline)
     entries = list(tried.values())
@@ -217,7 +223,7 @@ def _ratio(value: float, best: float) -> float:
 def slower_communication(cost: CostModel, factor: float) -> CostModel:
     """`cost` with every collective `factor` times slower (latency and bandwidth)."""
     ops = {}
-    for op in ("all_reduce", "reduce_scatter", "all_gather", "reduce"):
+    for op in OPS:
         spec = getattr(cost, op)
         ops[op] = replace(spec, variants=tuple(
             replace(v, alpha_us=v.alpha_us * factor, step_us=v.step_us * factor,
@@ -244,16 +250,5 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def plan_auto(spec: ModelSpec, world_size: int, options) -> Plan:
-    """The planner's default: `choose_bucket_numel` with the options' cost model (or the
-    default preset for the world size) and compute (or FLOPs), its note added."""
-    from evenzero.cost.presets import PRESETS, default_cost_preset
-
-    cost = options.cost_model or PRESETS[default_cost_preset(world_size)]
-    choice = choose_bucket_numel(spec, world_size, cost, options.compute,
-                                 options.bucket_memory_bytes, options.max_buckets_in_flight, options)
-    return replace(choice.plan, notes=choice.plan.notes + (choice.note,))
-
-
-__all__ = ["BucketChoice", "Candidate", "candidate_sizes", "choose_bucket_numel",
-           "default_memory_budget", "gradient_bytes", "inflight_bytes", "plan_auto"]
+__all__ = ["BucketChoice", "Candidate", "Cut", "candidate_sizes", "choose_bucket_numel",
+           "default_memory_budget", "gradient_bytes", "inflight_bytes", "slower_communication"]

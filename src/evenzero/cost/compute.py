@@ -21,20 +21,30 @@ It comes from one of two places:
   per parameter, or the timestamps of the gradient hooks in a backward that reduced
   nothing (evenzero's first backward only records the arrival order).
 
-`DeviceCompute` holds the throughput figures; a `CostModel` carries one (presets from
-datasheets, `evenzero calibrate` from measurements).
+`DeviceCompute` holds the throughput figures and what a step's own work costs (the
+optimizer per implementation, the gradient norm, per-parameter Python work); a
+`CostModel` carries one (presets from datasheets and published measurements,
+`evenzero calibrate` from measurements on this host).
 
 Pure Python, no torch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from evenzero.plan import NORMS, OPTIMIZER_IMPLS
 from evenzero.spec import ModelSpec, ParamSpec
 
+SMALL_TENSOR_NUMEL = 2**16
+"""Elements of the tensors the small-tensor optimizer figures hold for (256 KiB of fp32:
+the passes of a multi-pass step stay in a CPU's caches)."""
+LARGE_TENSOR_NUMEL = 2**22
+"""Elements from which a tensor's passes go to memory (16 MiB of fp32); the plain
+optimizer figures hold for tensors this large."""
 DEFAULT_TOKENS = 4096
 """Tokens per micro-batch assumed for a spec that gives none (one 4K-token sequence)."""
 FORWARD_SHARE = 0.5
@@ -43,19 +53,57 @@ FORWARD_SHARE = 0.5
 
 @dataclass(frozen=True)
 class DeviceCompute:
-    """What one rank computes per second."""
+    """What one rank computes per second, and what a step's own work costs on it.
+
+    Memory-bound work (copies, the optimizer, the gradient norm) is priced as bytes moved
+    per element at `memory_gbs`; each kind has its own bytes per element because real
+    implementations make several passes and allocate temporaries (torch's single-tensor
+    AdamW on CPU moves ~4x what a fused kernel does). `evenzero calibrate` measures them
+    all (`evenzero.calibration.measure_compute`)."""
 
     name: str
     """Label shown in reports."""
     tflops: float
     """Sustained matmul throughput of one rank, TFLOP/s (1e12 FLOP/s)."""
     memory_gbs: float
-    """Sustained memory bandwidth of one rank, GB/s (1e9 B/s): memory-bound layers,
-    copies of gradients into buckets, the optimizer step."""
+    """Sustained memory bandwidth of one rank, GB/s (1e9 B/s), as a copy achieves it:
+    memory-bound layers, copies of gradients into buckets and between parameters and
+    masters; every other bytes-per-element figure is relative to it."""
     optimizer_bytes_per_element: float = 28.0
-    """Bytes the optimizer step moves per element it updates. Fused AdamW reads the
-    fp32 master, gradient and both moments and writes master and moments: 7 x 4 bytes.
-    torch's foreach AdamW on CPU makes several passes; calibration measures it."""
+    """Bytes the optimizer step moves per element it updates, as torch runs it when no
+    implementation is chosen (`default_optimizer_impl`), on tensors of at least
+    `LARGE_TENSOR_NUMEL` elements. A fused AdamW reads the fp32 master, gradient and
+    both moments and writes master and moments: 7 x 4 bytes."""
+    default_optimizer_impl: str = "foreach"
+    """The implementation torch.optim picks when none is chosen: foreach for CUDA
+    tensors, single_tensor otherwise, never fused (torch/optim/optimizer.py
+    `_default_to_fused_or_foreach`, torch 2.13)."""
+    single_tensor_bytes_per_element: float | None = None
+    """The single-tensor implementation's bytes per element; None: as the default's."""
+    foreach_bytes_per_element: float | None = None
+    """The foreach implementation's bytes per element; None: as the default's."""
+    fused_bytes_per_element: float | None = None
+    """The fused implementation's bytes per element; None: as the default's."""
+    single_tensor_small_bytes_per_element: float | None = None
+    """The single-tensor implementation on tensors of `SMALL_TENSOR_NUMEL` elements,
+    whose passes stay in the caches; None: as on large tensors."""
+    foreach_small_bytes_per_element: float | None = None
+    """The foreach implementation on tensors of `SMALL_TENSOR_NUMEL` elements."""
+    fused_small_bytes_per_element: float | None = None
+    """The fused implementation on tensors of `SMALL_TENSOR_NUMEL` elements."""
+    norm_fp32_bytes_per_element: float = 4.0
+    """A global gradient norm from fp32 norms of chunks (`torch._foreach_norm`),
+    combined in fp64: one read of the fp32 gradient."""
+    norm_fp64_bytes_per_element: float = 20.0
+    """A global gradient norm of an fp64 copy (`vector_norm(g.double())`): read 4 bytes,
+    write 8, read 8 again."""
+    tensor_overhead_us: float = 0.0
+    """Host time per tensor of a single-tensor optimizer step: its Python loop issues
+    each tensor's ops one by one (foreach and fused group the tensors into a few calls,
+    so their per-tensor cost is left out)."""
+    param_overhead_us: float = 0.0
+    """Host time per parameter of a step's own Python work: a visit that reads a few
+    attributes of the parameter and its gradient (presence, the user's writes)."""
     comm_slowdown: float = 0.0
     """While a collective is in progress compute runs 1 / (1 + this) as fast. 0 where
     communication has its own engines; on CPU, gloo's threads share the cores."""
@@ -63,13 +111,19 @@ class DeviceCompute:
     """Where the numbers come from."""
 
     def __post_init__(self) -> None:
-        for f in ("tflops", "memory_gbs", "optimizer_bytes_per_element"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{f} must be a positive number, got {v!r}")
-        s = self.comm_slowdown
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not s >= 0:
-            raise ValueError(f"comm_slowdown must be a non-negative number, got {s!r}")
+        for f in ("tflops", "memory_gbs", "optimizer_bytes_per_element",
+                  "norm_fp32_bytes_per_element", "norm_fp64_bytes_per_element"):
+            _check(f, getattr(self, f), positive=True)
+        for impl in OPTIMIZER_IMPLS:
+            for name in (f"{impl}_bytes_per_element", f"{impl}_small_bytes_per_element"):
+                if getattr(self, name) is not None:
+                    _check(name, getattr(self, name), positive=True)
+        _check("tensor_overhead_us", self.tensor_overhead_us, positive=False)
+        _check("param_overhead_us", self.param_overhead_us, positive=False)
+        _check("comm_slowdown", self.comm_slowdown, positive=False)
+        if self.default_optimizer_impl not in OPTIMIZER_IMPLS:
+            raise ValueError(f"default_optimizer_impl must be one of {OPTIMIZER_IMPLS}, got "
+                             f"{self.default_optimizer_impl!r}")
 
     def seconds(self, flops: float, nbytes: float) -> float:
         """Roofline: the slower of the arithmetic and the memory traffic."""
@@ -79,15 +133,72 @@ class DeviceCompute:
         """One copy of `nbytes` (read once, written once)."""
         return 2 * nbytes / (self.memory_gbs * 1e9)
 
-    def optimizer_seconds(self, elements: int) -> float:
-        """One optimizer step over `elements` master elements."""
-        return elements * self.optimizer_bytes_per_element / (self.memory_gbs * 1e9)
+    def moved_seconds(self, nbytes: float) -> float:
+        """Memory traffic of `nbytes` read and written in all."""
+        return nbytes / (self.memory_gbs * 1e9)
+
+    def optimizer_bytes(self, impl: str | None = None) -> float:
+        """Bytes per element of `impl` ("single_tensor", "foreach", "fused"); None: the
+        implementation torch picks by default here."""
+        if impl is None or impl == self.default_optimizer_impl:
+            return self.optimizer_bytes_per_element
+        if impl not in OPTIMIZER_IMPLS:
+            raise ValueError(f"optimizer implementation {impl!r} is not one of {OPTIMIZER_IMPLS}")
+        figure = getattr(self, f"{impl}_bytes_per_element")
+        return self.optimizer_bytes_per_element if figure is None else figure
+
+    def optimizer_bytes_at(self, impl: str | None, numel: int) -> float:
+        """Bytes per element of `impl` on a tensor of `numel` elements: the small-tensor
+        figure up to `SMALL_TENSOR_NUMEL`, the large one from `LARGE_TENSOR_NUMEL`, and
+        in between along a straight line in log(numel)."""
+        large = self.optimizer_bytes(impl)
+        small = getattr(self, f"{impl or self.default_optimizer_impl}_small_bytes_per_element")
+        if small is None or numel >= LARGE_TENSOR_NUMEL:
+            return large
+        if numel <= SMALL_TENSOR_NUMEL:
+            return small
+        share = math.log(numel / SMALL_TENSOR_NUMEL) / math.log(LARGE_TENSOR_NUMEL / SMALL_TENSOR_NUMEL)
+        return small + (large - small) * share
+
+    def optimizer_seconds(self, elements: int, impl: str | None = None,
+                          tensor_numels: Sequence[int] = ()) -> float:
+        """One optimizer step with `impl` over `elements` master elements, held in tensors
+        of `tensor_numels` elements (default: one large tensor)."""
+        if not tensor_numels:
+            return self.moved_seconds(elements * self.optimizer_bytes(impl))
+        return self.moved_seconds(sum(n * self.optimizer_bytes_at(impl, n) for n in tensor_numels))
+
+    def norm_seconds(self, elements: int, norm: str | None) -> float:
+        """The global gradient norm over `elements` ("fp32" or "fp64"; None: none)."""
+        if norm is None or elements == 0:
+            return 0.0
+        if norm not in NORMS:
+            raise ValueError(f"norm {norm!r} is not one of {NORMS}")
+        return self.moved_seconds(elements * getattr(self, f"norm_{norm}_bytes_per_element"))
+
+    def bookkeeping_seconds(self, params: int, tensors: int = 0, impl: str | None = None) -> float:
+        """Host time of one step's per-parameter work: a visit of each of `params`
+        parameters, and the per-tensor loop over `tensors` when the optimizer runs its
+        single-tensor implementation (`impl`; None: the default here)."""
+        loop = (impl or self.default_optimizer_impl) == "single_tensor"
+        return (params * self.param_overhead_us
+                + (tensors * self.tensor_overhead_us if loop else 0.0)) * 1e-6
+
+    def with_optimizer_bytes(self, impl: str | None, value: float) -> DeviceCompute:
+        """A copy with `impl`'s bytes per element set (None: the default implementation)."""
+        if impl is None or impl == self.default_optimizer_impl:
+            return replace(self, optimizer_bytes_per_element=value)
+        if impl not in OPTIMIZER_IMPLS:
+            raise ValueError(f"optimizer implementation {impl!r} is not one of {OPTIMIZER_IMPLS}")
+        return replace(self, **{f"{impl}_bytes_per_element": value})
 
     def with_param(self, key: str, raw: Any) -> DeviceCompute:
-        """A copy with one numeric field set from text (`--cost-param compute.tflops=50`)."""
+        """A copy with one field set from text (`--cost-param compute.tflops=50`)."""
         names = [f.name for f in fields(self) if f.name not in ("name", "sources")]
         if key not in names:
             raise ValueError(f"compute field {key!r} is not one of {', '.join(names)}")
+        if key == "default_optimizer_impl":
+            return replace(self, default_optimizer_impl=str(raw))
         try:
             value = float(raw)
         except (TypeError, ValueError):
@@ -99,6 +210,9 @@ class DeviceCompute:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> DeviceCompute:
+        """Format 1 files (before the step costs) lack the per-implementation and norm
+        figures: they take the defaults, and their one optimizer figure, measured with
+        torch's default AdamW, prices every implementation."""
         if not isinstance(data, Mapping):
             raise ValueError("expected an object")
         unknown = set(data) - {f.name for f in fields(cls)}
@@ -108,6 +222,12 @@ class DeviceCompute:
             return cls(**data)
         except TypeError as e:
             raise ValueError(str(e)) from None
+
+
+def _check(name: str, v: Any, positive: bool) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 if positive else v >= 0):
+        raise ValueError(f"{name} must be a {'positive' if positive else 'non-negative'} "
+                         f"number, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -249,6 +369,6 @@ def median_profile(profiles: Iterable[ComputeProfile]) -> ComputeProfile:
                           median(p.tail_s for p in ps), f"{ps[0].source}, median of {len(ps)}")
 
 
-__all__ = ["DEFAULT_TOKENS", "FORWARD_SHARE", "ComputeProfile", "DeviceCompute", "backward_work",
-           "estimate_profile", "layer_kind", "median_profile", "profile_from_arrivals",
+__all__ = ["DEFAULT_TOKENS", "FORWARD_SHARE", "LARGE_TENSOR_NUMEL", "SMALL_TENSOR_NUMEL",
+           "ComputeProfile", "DeviceCompute", "backward_work", "estimate_profile", "layer_kind", "median_profile", "profile_from_arrivals",
            "profile_from_times"]

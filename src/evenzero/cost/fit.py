@@ -1,11 +1,18 @@
-"""Fitting a collective's alpha-beta line to timed calls (what calibration produces)."""
+"""Fitting cost models to timed collectives: the pure half of calibration.
+
+`evenzero.calibration` (and the runtime's quick calibration) times collectives on real
+process groups and hands the timings here as `Sample`s; `fit_op` fits one op's
+alpha-beta line at one group size and `fit_model` a whole `CostModel` from a sweep.
+No torch here: every rank fits the same numbers to the same model.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from evenzero.cost import CostModelError, Variant, bus_factor
+from evenzero.cost.compute import DeviceCompute
+from evenzero.cost.model import OPS, CostModel, CostModelError, OpCost, Variant, bus_factor
 
 
 @dataclass(frozen=True)
@@ -49,3 +56,53 @@ def fit_op(samples: Iterable[Sample], name: str = "measured") -> Variant:
         raise CostModelError("timings did not grow with message size, so bandwidth cannot be "
                              "fitted; sweep larger sizes (e.g. --sizes up to 4194304)")
     return Variant(name, alpha * 1e6, 1e-9 / slope)
+
+
+def fit_model(samples: Sequence[Sample], name: str = "measured", description: str = "",
+              compute: DeviceCompute | None = None, rs_variant: str = "measured") -> CostModel:
+    """Per op: one variant per measured group size, and one for any other size whose
+    latency follows a line through the measured ones (flat if one size was measured).
+    The world is the largest group size. A size whose timings did not grow with the
+    message (noise) gets no variant of its own; if none did, the fit is refused."""
+    world = max(s.group_size for s in samples)
+    measured = ", ".join(str(n) for n in sorted({s.group_size for s in samples}))
+    variants = {}
+    for op in OPS:
+        mine = [s for s in samples if s.op == op]
+        if not mine:
+            raise CostModelError(f"no samples for {op}; calibrate every op")
+        label = rs_variant if op == "reduce_scatter" else "measured"
+        exact, failed = [], None
+        for n in sorted({s.group_size for s in mine}):
+            try:
+                v = fit_op([s for s in mine if s.group_size == n])
+            except CostModelError as e:  # noise at one size: the line through the others prices it
+                failed = e
+                continue
+            exact.append(Variant(label, v.alpha_us, v.busbw_gbs, group_size=n))
+        if not exact:
+            raise failed
+        anchor = exact[-1]
+        variants[op] = OpCost((*exact, Variant(
+            label, anchor.alpha_us, anchor.busbw_gbs, scaling="linear",
+            step_us=_alpha_slope([(v.group_size, v.alpha_us) for v in exact]))))
+    return CostModel(name=name, description=description or f"measured on {world} ranks",
+                     reference_ranks=world, gpus_per_node=world, compute=compute,
+                     fitted_ranks=(world,),
+                     sources="evenzero calibrate: least-squares fit of t = alpha + f*S/busbw "
+                             f"per op and group size ({measured} ranks)",
+                     **variants)
+
+
+def _alpha_slope(points: list[tuple[int, float]]) -> float:
+    """Least-squares slope of alpha over group size, clamped at 0 (latency does not fall
+    with more peers; a negative slope is noise)."""
+    if len(points) < 2:
+        return 0.0
+    mx = sum(n for n, _ in points) / len(points)
+    my = sum(a for _, a in points) / len(points)
+    den = sum((n - mx) ** 2 for n, _ in points)
+    return max(0.0, sum((n - mx) * (a - my) for n, a in points) / den)
+
+
+__all__ = ["Sample", "fit_model", "fit_op"]

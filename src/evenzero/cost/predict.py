@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from evenzero.cost import CostModel, bytes_sent_per_rank
 from evenzero.cost.memory import MemoryEstimate, estimate_memory
+from evenzero.cost.model import CostModel, bytes_sent_per_rank
 from evenzero.plan import BACKWARD, STEP, Collective, Plan
 
 

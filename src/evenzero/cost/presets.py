@@ -18,7 +18,9 @@ doc/PERFORMANCE.md); alpha in microseconds.
   group: ~1.6 ms per call at 1024 ranks. The model charges whichever applicable variant
   is cheapest (NCCL's tuner does the same); `max_bytes` variants apply up to that size.
 * Compute (`DeviceCompute`, for the step timeline): half the datasheet's dense BF16 peak
-  (large-model training reaches 40-55% of it) and ~85% of the HBM bandwidth.
+  (large-model training reaches 40-55% of it) and ~85% of the HBM bandwidth; the
+  step's own work (optimizer per implementation, gradient norms, per-parameter host
+  time) from the passes each implementation makes (`_GPU_STEP`).
 * RoCE is not offered: one user report of its bus bandwidth (NVIDIA/nccl#1368) and no
   latency is not enough for a preset. Calibrate instead.
 * `gloo-local` is fitted on the project's own measurements at 8 local ranks; it says
@@ -30,27 +32,57 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from evenzero.cost import CostModel, CostModelError, OpCost, Sample, Variant, fit_op
 from evenzero.cost.compute import DeviceCompute
+from evenzero.cost.fit import Sample, fit_op
+from evenzero.cost.model import CostModel, CostModelError, OpCost, Variant
 from evenzero.userjson import read_json_file
 
 SMALL = 64 * 1024
 """Messages up to 64 KiB use NCCL's low-latency paths (tree all-reduce, LL reduce); NCCL
 logs RING/LL up to 1 MiB on 8xH200 (stas00/ml-engineering network/README.md @744d01e1)."""
 
+# The step's own work on a GPU, per element of fp32 state (bytes at the HBM bandwidth):
+# fused AdamW reads master, gradient and both moments and writes master and moments,
+# 7 x 4 = 28; torch's foreach AdamW (torch/optim/adamw.py `_multi_tensor_adamw`, torch
+# 2.13) runs lerp (12), mul (8), addcmul (12), decay (8), sqrt (8), div (8), add (8) and
+# addcdiv (16) as separate passes: 80; the single-tensor path runs the same passes one
+# tensor at a time. A norm of fp32 chunks reads 4; of an fp64 copy, 4 + 8 + 8 = 20.
+# Host time: a single-tensor step issues ~10 eager ops per tensor at ~5 us each; a step's
+# own per-parameter visit reads a few attributes (~1 us, as measured on CPU).
+_GPU_STEP = dict(optimizer_bytes_per_element=80.0, default_optimizer_impl="foreach",
+                 single_tensor_bytes_per_element=80.0, fused_bytes_per_element=28.0,
+                 norm_fp32_bytes_per_element=4.0, norm_fp64_bytes_per_element=20.0,
+                 tensor_overhead_us=50.0, param_overhead_us=1.0)
+_GPU_STEP_SOURCES = ("; step: fused AdamW 28 B/element, foreach and single-tensor 80 (their "
+                     "passes in torch/optim/adamw.py), norms 4 (fp32 chunks) and 20 (fp64 "
+                     "copy) B/element, 50 us per tensor of a single-tensor step, 1 us per "
+                     "parameter visit")
+
 H100 = DeviceCompute(
-    "h100", tflops=495.0, memory_gbs=2850.0,
+    "h100", tflops=495.0, memory_gbs=2850.0, **_GPU_STEP,
     sources="H100 SXM datasheet: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3; half and 85% of "
-            "them sustained")
+            "them sustained" + _GPU_STEP_SOURCES)
 A100 = DeviceCompute(
-    "a100", tflops=156.0, memory_gbs=1730.0,
+    "a100", tflops=156.0, memory_gbs=1730.0, **_GPU_STEP,
     sources="A100 SXM 80GB datasheet: 312 TFLOP/s dense BF16, 2.04 TB/s HBM2e; half and 85% "
-            "of them sustained")
+            "of them sustained" + _GPU_STEP_SOURCES)
 CPU_LOCAL = DeviceCompute(
-    "cpu-local", tflops=0.1, memory_gbs=8.0, optimizer_bytes_per_element=100.0,
+    "cpu-local", tflops=0.1, memory_gbs=8.0, optimizer_bytes_per_element=124.0,
+    default_optimizer_impl="single_tensor", foreach_bytes_per_element=50.0,
+    fused_bytes_per_element=15.0, single_tensor_small_bytes_per_element=60.0,
+    foreach_small_bytes_per_element=20.0, fused_small_bytes_per_element=15.0,
+    norm_fp32_bytes_per_element=4.0,
+    norm_fp64_bytes_per_element=90.0, tensor_overhead_us=80.0, param_overhead_us=1.0,
     comm_slowdown=0.3,
-    sources="rough guesses for one of 8 ranks on a 16-core x86 host (2 threads each; "
-            "foreach AdamW makes ~12 passes); not measured: `evenzero calibrate` measures them")
+    sources="matmul, bandwidth and slowdown: rough guesses for one of 8 ranks on a 16-core "
+            "x86 host (2 threads each), not measured; the step's figures relative to the "
+            "copy bandwidth, measured on the project's 2-core host, one thread "
+            "(`evenzero.calibration.measure_step_costs`, +-30%: a loaded machine): AdamW "
+            "single-tensor 124, foreach 50, fused 15 B/element on 4M-element tensors, 60, "
+            "20 and 15 on 64K-element ones (their passes stay in the caches), norms 4 "
+            "(fp32 chunks) and 90 (fp64 copy) B/element, 80 us per tensor of a "
+            "single-tensor step, 1 us per parameter visit. `evenzero calibrate` measures "
+            "them on your host")
 
 
 def _nvlink_node(name: str, gpu: str, ar_ring: float, ar_nvls: float | None, rs: float,
@@ -123,9 +155,12 @@ def _gloo_local() -> CostModel:
         all_gather=OpCost((fitted["reduce_scatter"],)),
         reduce=OpCost((fitted["reduce"],)),
         reference_ranks=8, gpus_per_node=8, compute=CPU_LOCAL, fitted_ranks=(8,),
+        all_gather_copies_output=True,
         sources="project measurements at 8 local ranks, two-point fit per op; alpha assumed "
-                f"{_GLOO_FIXED_SHARE:.0%} fixed + the rest linear in group size; compute "
-                "guessed; run `evenzero calibrate` for your host")
+                f"{_GLOO_FIXED_SHARE:.0%} fixed + the rest linear in group size; the "
+                "all-gather's exchange priced as the all_to_all, its copy out of gloo's "
+                "temporary at the copy bandwidth; compute guessed; run `evenzero calibrate` "
+                "for your host")
 
 
 PRESETS: dict[str, CostModel] = {

@@ -6,7 +6,7 @@ the strategy's runtime lets them, the end-of-backward flush, the step's collecti
 the optimizer. `simulate` plays a plan's collectives against a `ComputeProfile`:
 
 * compute lane: forward; backward in gradient-arrival order; copies of gradients into
-  communication buffers; waits; the optimizer step;
+  communication buffers; waits; the step's own work (`Plan.step_work`);
 * comm lane: the plan's collectives one at a time, in launch order (NCCL runs a
   communicator's calls in issue order on its stream; gloo queues them per group). While
   a collective runs, compute slows by `DeviceCompute.comm_slowdown`.
@@ -23,10 +23,17 @@ The rules come from the plan (`Plan.execution`), never from the strategy's name:
   waited for at once. `copies_grads` charges one copy of the bucket on the compute lane.
 * End of backward: every bucket not launched yet is launched in plan order (the flush),
   then all are waited for.
-* Step: its all-reduces (norm, overflow, presence bits) come before the optimizer,
-  which needs them; its all-gathers carry the updated parameters, so they follow it,
-  and the step waits for them, unless `overlap_param_gather`: then each is waited for in
-  the next forward just before its share of forward compute, the next one prefetched.
+* Step: per-parameter bookkeeping (the step's own visits, and a single-tensor
+  optimizer's per-tensor loop), then the gradient norm (it feeds the step's
+  all-reduces: norm, overflow, presence bits), which come before the optimizer, which
+  needs them; then the master copies and the optimizer in its implementation. Each is
+  `StepWork` amounts priced by `DeviceCompute` (bytes per element of the implementation
+  at the copy bandwidth; seconds per parameter). The all-gathers carry the updated
+  parameters, so they follow, and the step waits for them, unless
+  `overlap_param_gather`: then each is waited for in the next forward just before its
+  share of forward compute, the next one prefetched. A backend whose all-gather copies
+  its output out of a temporary (`CostModel.all_gather_copies_output`, gloo) pays that
+  copy on the comm lane after the exchange.
 
 Every rank runs the same schedule, and expert groups run their calls at the same time
 on disjoint ranks, so one rank's two lanes are the whole story. Pure Python, no torch.
@@ -37,9 +44,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from evenzero.cost import CostModel, CostModelError
 from evenzero.cost.compute import ComputeProfile, DeviceCompute
-from evenzero.plan import BACKWARD, Bucket, Collective, Execution, Plan
+from evenzero.cost.model import CostModel, CostModelError
+from evenzero.plan import BACKWARD, Bucket, Collective, Execution, Plan, StepWork
 
 COMPUTE = "compute"
 COMM = "comm"
@@ -53,7 +60,8 @@ class Segment:
     lane: str
     """COMPUTE or COMM."""
     kind: str
-    """forward, backward, copy, wait, optimizer; or the collective's op on the comm lane."""
+    """forward, backward, copy, wait, bookkeeping, norm, optimizer; or the collective's op
+    on the comm lane."""
     start: float
     """Seconds since the step began."""
     end: float
@@ -79,7 +87,7 @@ class Timeline:
     total_s: float
     """The step: forward + backward + flush + step collectives + optimizer."""
     compute_s: float
-    """Compute work alone (forward, backward, copies, optimizer), without waits."""
+    """Compute work alone (forward, backward, copies, the step's work), without waits."""
     comm_s: float
     """Time the comm lane was busy."""
     backward_comm_s: float
@@ -109,8 +117,9 @@ class Timeline:
 class _Lanes:
     """A compute lane that runs work and waits, and a FIFO comm lane that runs beside it."""
 
-    def __init__(self, cost: CostModel, slowdown: float) -> None:
-        self.cost, self.slowdown = cost, slowdown
+    def __init__(self, cost: CostModel, device: DeviceCompute) -> None:
+        self.cost, self.slowdown = cost, device.comm_slowdown
+        self.device = device
         self.now = 0.0
         self.queue: deque[tuple[int, Collective]] = deque()
         self.current: list | None = None  # [id, remaining, start, collective]
@@ -128,9 +137,17 @@ class _Lanes:
     def _start_next(self) -> None:
         while self.current is None and self.queue:
             cid, c = self.queue.popleft()
-            self.current = [cid, self.cost.time(c.op, c.group_size, c.nbytes), self.now, c]
+            self.current = [cid, self.comm_seconds(c), self.now, c]
             if self.current[1] <= _EPS:
                 self._finish()
+
+    def comm_seconds(self, c: Collective) -> float:
+        """The call as the cost model prices it, plus a gather's copy out of its
+        temporary where the backend makes one."""
+        seconds = self.cost.time(c.op, c.group_size, c.nbytes)
+        if c.op == "all_gather" and self.cost.all_gather_copies_output and c.group_size > 1:
+            seconds += self.device.copy_seconds(c.nbytes)
+        return seconds
 
     def _finish(self) -> None:
         cid, _, start, c = self.current
@@ -159,9 +176,11 @@ class _Lanes:
         self.segments.append(Segment(COMPUTE, kind, start, self.now, label))
 
     def wait(self, ids: list[int], label: str = "") -> None:
-        """Block compute until every collective in `ids` has finished."""
+        """Block compute until every collective in `ids` has finished. The lane runs its
+        calls in launch order, so that is when the last launched of them finishes."""
         start = self.now
-        while any(i not in self.done for i in ids):
+        last = max(ids, default=0)
+        while last and last not in self.done:
             self.now += self.current[1]
             self.current[1] = 0.0
             self._finish()
@@ -220,6 +239,12 @@ def optimizer_elements(plan: Plan) -> int:
     return sum(g.numel for g in plan.groups)
 
 
+def step_work_of(plan: Plan) -> StepWork:
+    """The plan's step work; for a plan whose planner gave none, the optimizer over the
+    rank's elements in torch's default implementation and nothing else."""
+    return plan.step_work or StepWork(optimizer_elements(plan))
+
+
 def device_for(cost: CostModel) -> DeviceCompute:
     if cost.compute is None:
         raise CostModelError(f"cost model {cost.name} has no compute figures, which the timeline "
@@ -233,7 +258,7 @@ def simulate(plan: Plan, cost: CostModel, profile: ComputeProfile,
     `max_buckets_in_flight`); `device` overrides `cost.compute`."""
     ex = execution or plan.execution
     dev = device or device_for(cost)
-    lanes = _Lanes(cost, dev.comm_slowdown)
+    lanes = _Lanes(cost, dev)
     gathers = [c for c in plan.step() if c.op == "all_gather"]
     before_optimizer = [c for c in plan.step() if c.op != "all_gather"]
 
@@ -297,10 +322,22 @@ def simulate(plan: Plan, cost: CostModel, profile: ComputeProfile,
     lanes.wait([x for u in units for x in u.ids], "end of backward")
     backward_end = lanes.now
 
-    # Step: what the optimizer needs, the optimizer, then the parameter all-gathers.
+    # Step: bookkeeping and the norm, what the optimizer needs, the master copies and the
+    # optimizer, then the parameter all-gathers.
+    work = step_work_of(plan)
+    lanes.compute(dev.bookkeeping_seconds(work.params, work.optimizer_tensors,
+                                          work.optimizer_impl), "bookkeeping",
+                  f"{work.params:,} parameters, {work.optimizer_tensors:,} optimizer tensors")
+    lanes.compute(dev.norm_seconds(work.norm_elements, work.norm), "norm",
+                  f"{work.norm} norm of {work.norm_elements:,} elements")
     for c in before_optimizer:
         lanes.wait([lanes.launch(c)], "step needs it")
-    lanes.compute(dev.optimizer_seconds(optimizer_elements(plan)), "optimizer")
+    lanes.compute(dev.moved_seconds(work.copy_bytes), "copy", "parameters and masters")
+    impl = work.optimizer_impl or dev.default_optimizer_impl
+    lanes.compute(dev.optimizer_seconds(work.optimizer_elements, work.optimizer_impl,
+                                        work.optimizer_tensor_numels),
+                  "optimizer", f"{impl} on {work.optimizer_elements:,} elements in "
+                               f"{work.optimizer_tensors:,} tensors")
     if gathers:
         lanes.wait([lanes.launch(c) for c in gathers], "parameters gathered")
 
@@ -312,4 +349,4 @@ def simulate(plan: Plan, cost: CostModel, profile: ComputeProfile,
 
 
 __all__ = ["COMM", "COMPUTE", "Segment", "Timeline", "device_for", "optimizer_elements",
-           "simulate"]
+           "simulate", "step_work_of"]

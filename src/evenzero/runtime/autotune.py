@@ -1,6 +1,6 @@
 """The runtime's `bucket_numel="auto"`: the bucket size refined once, from this job.
 
-At construction the bucket size is the planner's choice (`evenzero.cost.autobucket`):
+At construction the bucket size is the planner's choice (`evenzero.strategies.choose_bucket`):
 compute from FLOPs, collectives from a cost preset, both guesses about this machine.
 After the measuring backwards (which reduce nothing until their end, so their hook
 timestamps are pure compute) it is refined once, from what the job itself measures:
@@ -13,10 +13,10 @@ timestamps are pure compute) it is refined once, from what the job itself measur
 2. network: a quick calibration (`quick_cost_model`) of the process groups the plan
    reduces over: the runtime's own reduce-scatter and the step's all-gather at three
    sizes and its small all-reduce at two, fastest of `repeats` calls, slowest rank
-   (`evenzero.cost.calibrate.sweep`); the copy bandwidth; on the CPU, how much a
+   (`evenzero.calibration.sweep`); the copy bandwidth; on the CPU, how much a
    collective in flight slows compute; the seconds per element of the optimizer step
    when the runtime timed one;
-3. the choice: `choose_bucket_numel` with that profile and cost model (the planner's
+3. the choice: `choose_bucket` with that profile and cost model (the planner's
    rule: the shortest predicted step within the memory budget).
 
 Every rank takes part in the calibration (it is collective); rank 0 alone decides, from
@@ -36,14 +36,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from evenzero.calibration import sweep
 from evenzero.cost import CostModel, CostModelError, OpCost, Sample, Variant, fit_op
-from evenzero.cost.autobucket import choose_bucket_numel
-from evenzero.cost.calibrate import sweep
 from evenzero.cost.compute import DeviceCompute
 from evenzero.runtime.backwardclock import BackwardTiming, measured_profile
 from evenzero.runtime.collectives import broadcast
 from evenzero.spec import ModelSpec
-from evenzero.strategies import PlanOptions
+from evenzero.strategies import PlanOptions, choose_bucket
 
 QUICK_SIZES = {"cpu": (2**12, 2**16, 2**20), "cuda": (2**16, 2**20, 2**24)}
 """Message sizes (elements) of the quick calibration, by device type: latency-bound to
@@ -175,7 +174,7 @@ def _fastest(work, device: torch.device, repeats: int) -> float:
 
 def _comm_slowdown(group, numel: int, dtype: torch.dtype) -> float:
     """How much slower small matmuls run while a collective is in flight (gloo's threads
-    share the cores with compute), as `evenzero.cost.calibrate.measure_compute` does,
+    share the cores with compute), as `evenzero.calibration.measure_compute` does,
     with one message instead of a timed loop."""
     # Its own generator: library code never draws from the user's random state.
     gen = torch.Generator().manual_seed(0)
@@ -256,9 +255,8 @@ def refine_bucket_numel(spec: ModelSpec, world_size: int, timings: Sequence[Back
 def decide(spec: ModelSpec, world_size: int, timings: Sequence[BackwardTiming], cost: CostModel,
            options: PlanOptions) -> tuple[int, str]:
     """(bucket size, note) from measured backwards and a cost model; pure."""
-    choice = choose_bucket_numel(spec, world_size, cost, measured_profile(timings),
-                                 options.bucket_memory_bytes, options.max_buckets_in_flight,
-                                 options)
+    choice = choose_bucket(spec, world_size, replace(options, cost_model=cost,
+                                                     compute=measured_profile(timings)))
     return choice.numel, choice.note
 
 

@@ -3,7 +3,8 @@
 `plan(spec, world_size, "evenzero")` is the entry point. Every strategy is one `Strategy`
 record in `registry.REGISTRY`; `STRATEGIES` maps names to records, and
 `executable_plan` gives the runtime a plan it can execute without knowing which
-planner made it.
+planner made it; `choose_bucket` is evenzero's bucket-size choice, which the runtime
+repeats with measured figures.
 """
 
 from __future__ import annotations
@@ -11,16 +12,9 @@ from __future__ import annotations
 from evenzero.plan import Plan, PlanError
 from evenzero.spec import ModelSpec
 from evenzero.strategies.common import AUTO, PlanOptions, group_infos
+from evenzero.strategies.evenzero import choose_bucket
 from evenzero.strategies.executable import PlannerArg, executable_plan, split_by_group
-from evenzero.strategies.registry import (
-    GENERIC_MEMORY,
-    REGISTRY,
-    STRATEGIES,
-    GradsAtRest,
-    MemoryModel,
-    Planner,
-    Strategy,
-)
+from evenzero.strategies.registry import REGISTRY, STRATEGIES, Planner, Strategy
 
 STRATEGY_NAMES = tuple(s.name for s in REGISTRY if s.compared)
 """The strategies `evenzero plan ... --strategy all` compares; the others
@@ -45,6 +39,6 @@ def plan(spec: ModelSpec, world_size: int, strategy: str = "evenzero",
     return get_strategy(strategy).plan(spec, world_size, options)
 
 
-__all__ = ["AUTO", "GENERIC_MEMORY", "STRATEGIES", "STRATEGY_NAMES", "GradsAtRest", "MemoryModel",
-           "PlanOptions", "Planner", "PlannerArg", "Strategy", "executable_plan",
-           "get_strategy", "group_infos", "plan", "split_by_group", "strategy_names"]
+__all__ = ["AUTO", "REGISTRY", "STRATEGIES", "STRATEGY_NAMES", "PlanOptions", "Planner",
+           "PlannerArg", "Strategy", "choose_bucket", "executable_plan", "get_strategy",
+           "group_infos", "plan", "split_by_group", "strategy_names"]

@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from evenzero.plan import BACKWARD, STEP, Bucket, Collective, GroupInfo, PlanError
+from evenzero.plan import (
+    BACKWARD,
+    OPTIMIZER_IMPLS,
+    STEP,
+    Bucket,
+    Collective,
+    GroupInfo,
+    Plan,
+    PlanError,
+    StepWork,
+)
 from evenzero.spec import DTYPE_BYTES, ModelSpec
 
 if TYPE_CHECKING:
-    from evenzero.cost import CostModel
     from evenzero.cost.compute import ComputeProfile
+    from evenzero.cost.model import CostModel
 
 AUTO = "auto"
 """`PlanOptions.bucket_numel` value: pick the size with the timeline (evenzero only)."""
-
-
-OPTIMIZER_IMPLS = ("single_tensor", "foreach", "fused")
-"""torch.optim's implementations of an elementwise step (`PlanOptions.optimizer_impl`)."""
 
 
 @dataclass(frozen=True)
@@ -53,8 +60,10 @@ class PlanOptions:
     master_dtype: str = "float32"
     """Dtype of the master weights and optimizer state (`ZeroConfig.master_dtype`)."""
     optimizer_impl: str | None = None
-    """How the inner optimizer steps a shard: "single_tensor", "foreach" or "fused"
-    (torch.optim's implementations); None: the runtime's default for the device."""
+    """How the optimizer steps: "single_tensor", "foreach" or "fused" (torch.optim's
+    implementations; `StepWork.optimizer_impl`). None: each system's own default
+    (evenzero's runtime: `strategies.evenzero.DEFAULT_OPTIMIZER_IMPL`; a user's torch
+    optimizer under DDP or FSDP2: torch's default for the device)."""
 
     def __post_init__(self) -> None:
         b = self.bucket_numel
@@ -117,7 +126,8 @@ def group_infos(spec: ModelSpec, world_size: int) -> tuple[GroupInfo, ...]:
         params = spec.group_params(g.name)
         if not params:
             continue
-        out.append(GroupInfo(g.name, world_size // e, e, sum(p.numel for p in params)))
+        out.append(GroupInfo(g.name, world_size // e, e, sum(p.numel for p in params),
+                             group_dtype(spec, g.name)))
     return tuple(out)
 
 
@@ -165,6 +175,47 @@ def all_gathers(spec: ModelSpec, infos: tuple[GroupInfo, ...], layouts: list[Buc
     itemsize = {g.name: DTYPE_BYTES[group_dtype(spec, g.name)] for g in infos}
     return [Collective(STEP, "all_gather", b.group, size[b.group], None, b.index, 0, b.numel,
                        itemsize=itemsize[b.group]) for b in layouts]
+
+
+def step_work(plan: Plan, spec: ModelSpec, options: PlanOptions, *, norm: str | None = None,
+              optimizer_impl: str | None = None,
+              tensors: Callable[[GroupInfo, int], list[int]] | None = None,
+              copied: Callable[[GroupInfo], bool] = lambda g: False, copy_passes: int = 1,
+              visits_params: bool = False) -> StepWork:
+    """The step's own compute on one rank (`StepWork`): the optimizer over the rank's
+    shards (everything, for an unsharded plan) with the user's implementation, else
+    `optimizer_impl` (None: torch's default), on the tensors `tensors(group, elements)`
+    lists (default: one flat tensor per group); the norm, if any, over the same
+    elements; `copy_passes` passes over parameter and master for the groups `copied`
+    says keep a separate master; one visit of every parameter by the step's own Python
+    work if `visits_params`."""
+    master = DTYPE_BYTES[options.master_dtype]
+    elements = {g.name: plan.shard_numel(g.name) if plan.sharded else g.numel for g in plan.groups}
+    copies = sum(copy_passes * elements[g.name] * (master + DTYPE_BYTES[g.dtype])
+                 for g in plan.groups if copied(g))
+    total = sum(elements.values())
+    numels = tuple(n for g in plan.groups
+                   for n in (tensors(g, elements[g.name]) if tensors else [elements[g.name]])
+                   if n > 0)
+    return StepWork(total, options.optimizer_impl or optimizer_impl, norm,
+                    total if norm else 0, copies, numels,
+                    len(spec.params) if visits_params else 0)
+
+
+def per_param(spec: ModelSpec) -> Callable[[GroupInfo, int], list[int]]:
+    """`step_work`'s `tensors` for an optimizer over the parameters themselves (DDP; a
+    sharded one scales each by its share: FSDP2 and Megatron step each parameter's
+    shard)."""
+    def tensors(g: GroupInfo, elements: int) -> list[int]:
+        numels = [p.numel for p in spec.group_params(g.name) if p.numel > 0]
+        whole = sum(numels)
+        if whole == elements or not whole:
+            return numels
+        shares = [n * elements // whole for n in numels]
+        shares[-1] += elements - sum(shares)
+        return shares
+
+    return tensors
 
 
 def check_has_params(spec: ModelSpec) -> None:

@@ -25,7 +25,19 @@ rank, so the plan is unsharded and has no ownership layouts and no step collecti
 
 from __future__ import annotations
 
-from evenzero.plan import BACKWARD, Bucket, Collective, Execution, GroupInfo, Plan, Slot
+from dataclasses import replace
+
+from evenzero.plan import (
+    BACKWARD,
+    Bucket,
+    Collective,
+    Execution,
+    GradsAtRest,
+    GroupInfo,
+    MemoryModel,
+    Plan,
+    Slot,
+)
 from evenzero.spec import DTYPE_BYTES, ModelSpec
 from evenzero.strategies.common import (
     PlanOptions,
@@ -33,6 +45,8 @@ from evenzero.strategies.common import (
     group_dtype,
     group_infos,
     message_itemsize,
+    per_param,
+    step_work,
 )
 
 FIRST_BUCKET_BYTES = 1024 * 1024
@@ -121,12 +135,20 @@ def plan_ddp(spec: ModelSpec, world_size: int, options: PlanOptions | None = Non
     backward = [Collective(BACKWARD, "all_reduce", b.group, size[b.group], None, b.index, 0,
                            b.numel, itemsize=message_itemsize(spec, b.group, options))
                 for b in ordered]
-    return Plan("ddp", world_size, infos, tuple(ordered), (), tuple(backward),
-                spec.arrival_order, tuple(notes), sharded=False, execution=EXECUTION)
+    fp32 = tuple(g.name for g in infos if g.dtype == "float32")
+    plan = Plan("ddp", world_size, infos, tuple(ordered), (), tuple(backward),
+                spec.arrival_order, tuple(notes), sharded=False, execution=EXECUTION,
+                memory=MemoryModel(GradsAtRest.FULL, aliased_groups=fp32))
+    # The user's optimizer over every parameter, torch's default implementation, no norm;
+    # 16-bit parameters get their update from an fp32 master (mixed precision).
+    return replace(plan, step_work=step_work(plan, spec, options, tensors=per_param(spec),
+                                             copied=lambda g: g.name not in fp32))
 
 
 EXECUTION = Execution(max_in_flight=None, launch_in_order=True, copies_grads=True,
                       missing_grads_hold_bucket=False)
 """The Reducer launches buckets in index order, asynchronously and without limit; with
 the default `gradient_as_bucket_view=False` it copies each gradient into its bucket;
-unused params count as ready."""
+unused params count as ready. Memory: every gradient in the message dtype
+(`gradient_as_bucket_view=True`, so the buckets are the gradients) and the full optimizer
+state; fp32 parameters are stepped in place, 16-bit ones through an fp32 master."""

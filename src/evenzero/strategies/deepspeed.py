@@ -34,8 +34,9 @@ plan with single-group buckets for the runtime, with the same collectives.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
-from evenzero.plan import BACKWARD, STEP, Collective, Execution, Plan
+from evenzero.plan import BACKWARD, STEP, Collective, Execution, GradsAtRest, MemoryModel, Plan
 from evenzero.spec import ModelSpec
 from evenzero.strategies.common import (
     MAX_WORLD_SIZE,
@@ -45,6 +46,7 @@ from evenzero.strategies.common import (
     check_world_size,
     group_infos,
     message_itemsize,
+    step_work,
 )
 from evenzero.strategies.deepspeed_layout import (
     ReduceEntry,
@@ -149,14 +151,30 @@ def plan_with(strategy: str, dispatch: Dispatch, spec: ModelSpec, world_size: in
     norms = [Collective(STEP, "all_reduce", "world", world_size, None, None, 0, 1, itemsize=4)
              for _ in range(NORM_ALL_REDUCES)]
     step = norms + all_gathers(spec, infos, list(zero.layouts))
-    return Plan(strategy, world_size, infos, zero.buckets, zero.layouts,
+    plan = Plan(strategy, world_size, infos, zero.buckets, zero.layouts,
                 tuple(backward + step), spec.arrival_order, tuple(notes(spec, zero, limit, options)),
-                execution=EXECUTION)
+                execution=EXECUTION, memory=MEMORY)
+    # The fp32 master partition is a clone even for fp32 models (@edaa72212:L489-491), the
+    # step's norm an fp64 copy (L2088-2090), and the update is copied back to the
+    # parameters' partition before the all-gather (L2386): one pass over both. The
+    # optimizer, DeepSpeed's FusedAdam for an "Adam"/"AdamW" config
+    # (runtime/engine.py `_configure_basic_optimizer`), steps one flat partition per
+    # group; the norm and the overflow check walk every parameter's gradient.
+    return replace(plan, step_work=step_work(plan, spec, options, norm="fp64",
+                                             optimizer_impl="fused",
+                                             copied=lambda g: True, visits_params=True))
 
 
 EXECUTION = Execution(max_in_flight=0, launch_in_order=True, copies_grads=True)
 """ZeRO-2's default `overlap_comm=False` (zero/config.py, v0.19.8): a flushed IPG bucket is
 reduced on the compute stream, so backward waits for every flush's collectives."""
+
+MEMORY = MemoryModel(GradsAtRest.MESSAGE_SHARD, reserved_buffer_numel=DEFAULT_REDUCE_BUCKET_SIZE,
+                     in_flight_basis="IPG buffer of {reserved:,} elements")
+"""The partition's gradients in the message dtype at rest (`averaged_gradients`), and one
+IPG buffer of `reduce_bucket_size` elements allocated at its full size whatever the model
+(`setup_buckets`, @edaa72212:L2493-2516; overlap_comm off, the ZeRO-2 default; on, it is
+2). `evenzero.cost.memory` sizes it from the user's bucket size when one was given."""
 
 
 def notes(spec: ModelSpec, zero: ZeroPartitioning, limit: int, options: PlanOptions) -> list[str]:

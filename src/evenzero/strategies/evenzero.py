@@ -8,18 +8,41 @@ arrives, and its reduction is a single equal reduce-scatter whose output is exac
 owner's shard: no pieces, no merging, no root.
 
 The bucket size is the user's, or by default the one with the shortest predicted step
-within a memory budget (`evenzero.cost.autobucket`): a fixed default cannot be right for
-both a 10M-parameter model (one 32M bucket means nothing overlaps backward) and a 70B
-one on 1024 ranks (small buckets make every call mostly latency).
+within a memory budget (`choose_bucket`, over `evenzero.cost.autobucket`): a fixed
+default cannot be right for both a 10M-parameter model (one 32M bucket means nothing
+overlaps backward) and a 70B one on 1024 ranks (small buckets make every call mostly
+latency).
+
+What the runtime does with the options (`evenzero.runtime`), as the plan records it:
+
+* stage 2 copies each bucket's gradients into a pooled buffer and keeps a master-dtype
+  shard at rest, `max_buckets_in_flight` buffers alive during backward; stage 1 keeps a
+  persistent buffer per bucket that gradients land in (no copy, unless the reduce dtype
+  differs from the parameters') as well as the shard;
+* the step computes the global gradient norm from fp32 chunks (combined in fp64) over
+  the gradient shard, runs the inner optimizer on the shard (`optimizer_impl`, or
+  `DEFAULT_OPTIMIZER_IMPL`), and all-gathers each layout, in the next forward with
+  `overlap_param_gather`;
+* fp32 parameters with fp32 masters: the master *is* the owned slice of the flat
+  parameter buffer, so there is no master copy and nothing to copy in or out; other
+  dtypes keep a separate master, checked against the parameters for the user's writes
+  and written back each step (two passes over parameter and master).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from evenzero.cost.autobucket import BucketChoice, choose_bucket_numel
+from evenzero.cost.presets import PRESETS, default_cost_preset
 from evenzero.plan import (
     BACKWARD,
     Bucket,
     Collective,
     Execution,
+    GradsAtRest,
+    GroupInfo,
+    MemoryModel,
     Plan,
     Slot,
     align_up,
@@ -32,10 +55,20 @@ from evenzero.strategies.common import (
     check_has_params,
     completion_order,
     group_arrival,
-    group_dtype,
     group_infos,
     message_itemsize,
+    step_work,
 )
+
+DEFAULT_OPTIMIZER_IMPL = "fused"
+"""The inner optimizer implementation the runtime runs when the user chose none: torch's
+fused kernels, on CPU and CUDA alike (torch.optim.AdamW(fused=True), torch >= 2.4);
+the runtime passes the one it runs in `PlanOptions.optimizer_impl`."""
+NORM = "fp32"
+"""How the step computes the global gradient norm (`StepWork.norm`)."""
+MASTER_PASSES = 2
+"""Passes over parameter and master per step where they are separate: the check for
+the user's writes, and the write-back of the update."""
 
 
 def cut_buckets(names: list[str], numel: dict[str, int], limit: int) -> list[list[str]]:
@@ -56,16 +89,33 @@ def cut_buckets(names: list[str], numel: dict[str, int], limit: int) -> list[lis
 
 def plan_evenzero(spec: ModelSpec, world_size: int, options: PlanOptions | None = None) -> Plan:
     """evenzero's plan. Without a fixed `bucket_numel` (None or "auto") the bucket size is
-    the one with the shortest predicted step (`evenzero.cost.autobucket`), and the plan's
-    notes say which and why."""
+    the one with the shortest predicted step (`choose_bucket`), and the plan's notes say
+    which and why."""
     options = options or PlanOptions()
     if options.fixed_bucket_numel is None:
-        check_has_params(spec)
-        # Imported here: the cost package imports the planners.
-        from evenzero.cost.autobucket import plan_auto
-
         return plan_auto(spec, world_size, options)
     return plan_fixed(spec, world_size, options)
+
+
+def choose_bucket(spec: ModelSpec, world_size: int, options: PlanOptions) -> BucketChoice:
+    """The bucket size with the shortest predicted step for `options`: their cost model
+    (default: the preset for the world size) and compute (default: FLOPs estimates),
+    within their memory budget (default: `evenzero.cost.autobucket`'s). The runtime calls
+    it again after the first backwards with measured compute and a measured cost model."""
+    check_has_params(spec)
+    cost = options.cost_model or PRESETS[default_cost_preset(world_size)]
+
+    def cut(numel: int) -> Plan:
+        return plan_fixed(spec, world_size, replace(options, bucket_numel=numel))
+
+    return choose_bucket_numel(spec, cost, cut, options.compute, options.bucket_memory_bytes,
+                               options.reduce_dtype)
+
+
+def plan_auto(spec: ModelSpec, world_size: int, options: PlanOptions) -> Plan:
+    """The planner's default: `choose_bucket`'s plan, its note added."""
+    choice = choose_bucket(spec, world_size, options)
+    return replace(choice.plan, notes=choice.plan.notes + (choice.note,))
 
 
 def plan_fixed(spec: ModelSpec, world_size: int, options: PlanOptions) -> Plan:
@@ -78,8 +128,7 @@ def plan_fixed(spec: ModelSpec, world_size: int, options: PlanOptions) -> Plan:
     for g in infos:
         arrived, missing = group_arrival(spec, g.name)
         order = [n for n in arrived + missing if numel[n] > 0]
-        dtype = group_dtype(spec, g.name)
-        align_elems = max(1, options.alignment_bytes // DTYPE_BYTES[dtype])
+        align_elems = max(1, options.alignment_bytes // DTYPE_BYTES[g.dtype])
         limit = options.fixed_bucket_numel
         for i, names in enumerate(cut_buckets(order, numel, limit)):
             slots, off = [], 0
@@ -96,10 +145,41 @@ def plan_fixed(spec: ModelSpec, world_size: int, options: PlanOptions) -> Plan:
     backward = [Collective(BACKWARD, "reduce_scatter", b.group, size[b.group], None, b.index, 0,
                            b.numel, itemsize=itemsize[b.group]) for b in ordered]
     step = [grad_check(spec, world_size)] + all_gathers(spec, infos, list(reversed(ordered)))
-    return Plan("evenzero", world_size, infos, tuple(ordered), tuple(ordered),
+    casts = any(itemsize[g.name] != DTYPE_BYTES[g.dtype] for g in infos)
+    plan = Plan("evenzero", world_size, infos, tuple(ordered), tuple(ordered),
                 tuple(backward + step), spec.arrival_order, tuple(notes),
-                execution=Execution(max_in_flight=options.max_buckets_in_flight),
-                bucket_numel=options.fixed_bucket_numel)
+                execution=Execution(max_in_flight=options.max_buckets_in_flight,
+                                    copies_grads=options.stage == 2 or casts,
+                                    overlap_param_gather=options.overlap_param_gather),
+                bucket_numel=options.fixed_bucket_numel,
+                memory=memory_model(infos, options, casts))
+    aliased = set(plan.memory.aliased_groups)
+    return replace(plan, step_work=step_work(
+        plan, spec, options, norm=NORM, optimizer_impl=DEFAULT_OPTIMIZER_IMPL,
+        copied=lambda g: g.name not in aliased, copy_passes=MASTER_PASSES, visits_params=True))
+
+
+def aliased_groups(infos: tuple[GroupInfo, ...], options: PlanOptions) -> tuple[str, ...]:
+    """Groups whose master is the owned slice of their flat parameter buffer: fp32
+    parameters with fp32 masters."""
+    if options.master_dtype != "float32":
+        return ()
+    return tuple(g.name for g in infos if g.dtype == "float32")
+
+
+def memory_model(infos: tuple[GroupInfo, ...], options: PlanOptions, casts: bool) -> MemoryModel:
+    """Gradient and optimizer memory as the runtime holds it (module docstring)."""
+    n = options.max_buckets_in_flight
+    buckets = f"{n} bucket{'s' if n > 1 else ''} in flight"
+    if options.stage == 2:
+        grads, held, basis = GradsAtRest.MASTER_SHARD, n, buckets
+    else:  # the gradients land in their buffers; only a cast needs a pooled copy
+        grads, held, basis = GradsAtRest.BUFFERS_AND_SHARD, n if casts else 0, ""
+        if casts:
+            basis = f"{n} cast bucket{'s' if n > 1 else ''} in flight"
+    return MemoryModel(grads, buckets_in_flight=held, in_flight_basis=basis,
+                       master_itemsize=DTYPE_BYTES[options.master_dtype],
+                       aliased_groups=aliased_groups(infos, options))
 
 
 def grad_check(spec: ModelSpec, world_size: int) -> Collective:

@@ -27,7 +27,18 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from evenzero.plan import BACKWARD, STEP, Bucket, Collective, Execution, GroupInfo, Plan, Slot
+from evenzero.plan import (
+    BACKWARD,
+    STEP,
+    Bucket,
+    Collective,
+    Execution,
+    GradsAtRest,
+    GroupInfo,
+    MemoryModel,
+    Plan,
+    Slot,
+)
 from evenzero.spec import DTYPE_BYTES, ModelSpec, ParamSpec
 from evenzero.strategies.common import (
     PlanOptions,
@@ -35,6 +46,8 @@ from evenzero.strategies.common import (
     group_dtype,
     group_infos,
     message_itemsize,
+    per_param,
+    step_work,
 )
 
 ROOT_UNIT = ""
@@ -133,9 +146,12 @@ def plan_fsdp2(spec: ModelSpec, world_size: int, options: PlanOptions | None = N
     forward = roots + sorted(blocks, key=lambda b: registration[b.params[0].name])
     step = [Collective(STEP, "all_gather", b.group, size[b.group], None, b.index, 0, b.numel,
                        itemsize=DTYPE_BYTES[group_dtype(spec, b.group)]) for b in forward]
-    return Plan("fsdp2", world_size, infos, tuple(issued), tuple(layouts),
+    plan = Plan("fsdp2", world_size, infos, tuple(issued), tuple(layouts),
                 tuple(backward + step), spec.arrival_order, tuple(notes(spec, layouts, options)),
-                execution=EXECUTION)
+                execution=EXECUTION, memory=MEMORY)
+    # The optimizer steps the sharded parameters themselves (_fsdp_param.py L316-331): no
+    # master to copy; the user's optimizer with torch's default implementation, no norm.
+    return replace(plan, step_work=step_work(plan, spec, options, tensors=per_param(spec)))
 
 
 EXECUTION = Execution(max_in_flight=1, launch_in_order=False, copies_grads=True,
@@ -143,6 +159,12 @@ EXECUTION = Execution(max_in_flight=1, launch_in_order=False, copies_grads=True,
 """A unit's post-backward waits for the previous unit's reduce-scatter before issuing its
 own (one in flight), after `_chunk_cat` copies the gradients in; units reduce only the
 gradients they got; parameters are all-gathered in the next forward."""
+
+MEMORY = MemoryModel(GradsAtRest.MASTER_SHARD, buckets_in_flight=1,
+                     in_flight_basis="one unit's RS input")
+"""fp32 sharded gradients (padded per parameter, as the layouts say) at rest; one unit's
+reduce-scatter input in flight, the next one waiting on it
+(_fsdp_collectives.py `foreach_reduce`)."""
 
 
 def notes(spec: ModelSpec, layouts: list[Bucket], options: PlanOptions) -> list[str]:

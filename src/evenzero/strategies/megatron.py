@@ -22,8 +22,20 @@ the whole gradient buffer allocated on every rank (ZeRO-1 gradient memory).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
-from evenzero.plan import BACKWARD, Bucket, Collective, Execution, GroupInfo, Plan, Slot, align_up
+from evenzero.plan import (
+    BACKWARD,
+    Bucket,
+    Collective,
+    Execution,
+    GradsAtRest,
+    GroupInfo,
+    MemoryModel,
+    Plan,
+    Slot,
+    align_up,
+)
 from evenzero.spec import ModelSpec
 from evenzero.strategies.common import (
     PlanOptions,
@@ -32,6 +44,8 @@ from evenzero.strategies.common import (
     completion_order,
     group_infos,
     message_itemsize,
+    per_param,
+    step_work,
 )
 
 PARAM_START_ALIGNMENT = 64
@@ -96,10 +110,22 @@ def plan_megatron(spec: ModelSpec, world_size: int, options: PlanOptions | None 
                 for b in ordered]
     # start_param_sync walks the bucket groups in buffer order, dense before expert.
     step = all_gathers(spec, infos, buckets)
-    return Plan("megatron", world_size, infos, tuple(ordered), tuple(buckets),
-                tuple(backward + step), spec.arrival_order, tuple(notes), execution=EXECUTION)
+    plan = Plan("megatron", world_size, infos, tuple(ordered), tuple(buckets),
+                tuple(backward + step), spec.arrival_order, tuple(notes), execution=EXECUTION,
+                memory=MEMORY)
+    # The fp32 multi-tensor L2 norm (megatron/core/optimizer/clip_grads.py L106-121) and
+    # the fused Adam of Transformer Engine or Apex; only 16-bit parameters have a master
+    # to copy back (distrib_optimizer.py L445; for fp32 the shard is a view, L465-491).
+    return replace(plan, step_work=step_work(
+        plan, spec, options, norm="fp32", optimizer_impl="fused", tensors=per_param(spec),
+        copied=lambda g: g.dtype != "float32"))
 
 
 EXECUTION = Execution(max_in_flight=None, launch_in_order=False, copies_grads=False)
 """`register_grad_ready` starts a bucket's reduce-scatter as soon as it is complete, async
 on the communicator's stream; gradients accumulate into the bucket's buffer in place."""
+
+MEMORY = MemoryModel(GradsAtRest.PADDED_BUFFER)
+"""The full, padded grad buffer stays allocated on every rank (it is the reduce-scatter
+input, in the message dtype), so ZeRO-1 gradient memory; nothing extra in flight: the
+reduce-scatter runs in place (`_ParamAndGradBuffer`)."""

@@ -1,4 +1,9 @@
-"""Measure a cost model, compute included, on the current process group.
+"""Measure a cost model, compute and step costs included, on the current process group.
+
+This is the half of calibration that runs collectives and kernels; fitting the timings
+is the planner's (`evenzero.cost.fit`), which never imports torch.distributed. It sits
+above the planner and below the runtime: `evenzero calibrate` and the runtime's
+refinement of the bucket size (`evenzero.runtime.autotune`) both measure through it.
 
 What is timed is what the runtime issues and what the step timeline needs:
 
@@ -12,8 +17,11 @@ What is timed is what the runtime issues and what the step timeline needs:
   groups run. The fitted model prices those sizes with their own numbers and any other
   size by a line through the measured latencies;
 * the compute of one rank while every rank computes (cores and memory bandwidth are
-  shared exactly as in training): matmul throughput, copy bandwidth, the seconds per
-  element of a torch AdamW step, and how much a collective in flight slows compute.
+  shared exactly as in training): matmul throughput, copy bandwidth, how much a
+  collective in flight slows compute, and the step's own work (`measure_step_costs`):
+  an AdamW step in each of torch's implementations (single-tensor, foreach, fused), the
+  global gradient norm in fp32 chunks and of an fp64 copy, and the Python time per
+  parameter of a step over many small parameters.
 
 Each collective sample is the fastest of `repeats` calls, each started right after a
 barrier, taken as the slowest rank's time (an all-reduce MAX over the world) so that
@@ -37,8 +45,10 @@ from time import perf_counter
 import torch
 import torch.distributed as dist
 
-from evenzero.cost import OPS, CostModel, CostModelError, OpCost, Sample, Variant, fit_op
-from evenzero.cost.compute import DeviceCompute
+from evenzero.cost.compute import LARGE_TENSOR_NUMEL, SMALL_TENSOR_NUMEL, DeviceCompute
+from evenzero.cost.fit import Sample, fit_model
+from evenzero.cost.model import OPS, CostModel
+from evenzero.plan import OPTIMIZER_IMPLS
 
 DEFAULT_SIZES = (2**10, 2**14, 2**16, 2**18, 2**20, 2**22)
 """Full-buffer sizes in elements: from latency-bound to bandwidth-bound on gloo."""
@@ -49,8 +59,12 @@ MATMUL_SHAPE = {"cpu": ((64, 1024, 1024), torch.float32), "cuda": ((8192, 4096, 
 of tokens per rank CPU runs train with; on GPUs a large bf16 layer, as they train."""
 COPY_NUMEL = 2**23
 """Elements copied to time memory bandwidth (32 MiB of fp32, beyond the caches)."""
-OPTIMIZER_NUMEL = 2**22
-"""Elements of the flat parameter an AdamW step is timed on."""
+OPTIMIZER_NUMEL = LARGE_TENSOR_NUMEL
+"""Elements an AdamW step is timed on: one tensor, and as many small ones."""
+NORM_CHUNK = 2**20
+"""Elements per chunk of the fp32 norm (`torch._foreach_norm` over the chunks)."""
+SMALL_PARAMS = 256
+"""One-element parameters a step is timed over for the per-parameter overhead."""
 
 # torch 2.13 renamed the flat-tensor collectives and deprecated the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -212,21 +226,18 @@ def _rate(work: Callable[[], None], device, seconds: float = 0.2) -> float:
 
 
 def measure_compute(device: torch.device | None = None, name: str = "measured") -> DeviceCompute:
-    """One rank's compute while every rank of the world computes the same (collective)."""
+    """One rank's compute and step costs while every rank of the world computes the same
+    (collective: every rank calls it)."""
     device = device or _device(None)
     (t, k, m), dtype = MATMUL_SHAPE["cuda" if device.type == "cuda" else "cpu"]
     a = torch.randn(t, k, device=device, dtype=dtype)
     b = torch.randn(k, m, device=device, dtype=dtype)
     src = torch.randn(COPY_NUMEL, device=device)
     dst = torch.empty_like(src)
-    param = torch.nn.Parameter(torch.randn(OPTIMIZER_NUMEL, device=device))
-    param.grad = torch.randn_like(param)
-    adamw = torch.optim.AdamW([param], lr=1e-3)
     small_a, small_b = a[:, :256].contiguous(), b[:256, :256].contiguous()
     dist.barrier()
     matmul = _rate(lambda: torch.mm(a, b), device)
     copy = _rate(lambda: dst.copy_(src), device)
-    step = _rate(adamw.step, device)
     # Small matmuls beside a collective in flight, against the same alone: what overlap
     # really gets on this host (gloo's threads and copies share cores and memory).
     alone = _rate(lambda: torch.mm(small_a, small_b), device)
@@ -241,67 +252,98 @@ def measure_compute(device: torch.device | None = None, name: str = "measured") 
     elapsed = perf_counter() - t0
     work.wait()
     during = calls / elapsed if calls else alone
-    rates = _slowest_rank([-matmul, -copy, -step, -alone, -during], device)
-    matmul, copy, step, alone, during = (-r for r in rates)  # the slowest rank: lowest rate
+    steps = measure_step_costs(device)
+    names = sorted(steps)
+    rates = _slowest_rank([-matmul, -copy, -alone, -during] + [-1 / steps[n] for n in names],
+                          device)
+    matmul, copy, alone, during = (-r for r in rates[:4])  # the slowest rank: lowest rate
+    seconds = {n: -1 / r for n, r in zip(names, rates[4:], strict=True)}
     memory_gbs = copy * 2 * COPY_NUMEL * 4 / 1e9
+
+    def per_element(key: str, elements: int) -> float:
+        return seconds[key] * memory_gbs * 1e9 / elements
+
+    default = "foreach" if device.type == "cuda" else "single_tensor"
+    impls = {impl: per_element(impl, OPTIMIZER_NUMEL) for impl in OPTIMIZER_IMPLS
+             if impl in seconds}
+    # The single-tensor step over small tensors also paid its per-tensor loop, which the
+    # timeline charges apart (`tensor_overhead_us`): left out of its bytes per element.
+    loop = OPTIMIZER_NUMEL // SMALL_TENSOR_NUMEL * seconds["per_tensor"]
+    if "single_tensor_small" in seconds:
+        timed = seconds["single_tensor_small"]
+        seconds["single_tensor_small"] = max(timed - loop, 0.1 * timed)
+    small = {impl: per_element(f"{impl}_small", OPTIMIZER_NUMEL) for impl in OPTIMIZER_IMPLS
+             if f"{impl}_small" in seconds}
     return DeviceCompute(
         name, tflops=matmul * 2 * t * k * m / 1e12, memory_gbs=memory_gbs,
-        optimizer_bytes_per_element=memory_gbs * 1e9 / (step * OPTIMIZER_NUMEL),
+        optimizer_bytes_per_element=impls[default], default_optimizer_impl=default,
+        single_tensor_bytes_per_element=impls.get("single_tensor"),
+        foreach_bytes_per_element=impls.get("foreach"),
+        fused_bytes_per_element=impls.get("fused"),
+        single_tensor_small_bytes_per_element=small.get("single_tensor"),
+        foreach_small_bytes_per_element=small.get("foreach"),
+        fused_small_bytes_per_element=small.get("fused"),
+        norm_fp32_bytes_per_element=per_element("norm_fp32", OPTIMIZER_NUMEL),
+        norm_fp64_bytes_per_element=per_element("norm_fp64", OPTIMIZER_NUMEL),
+        tensor_overhead_us=seconds["per_tensor"] * 1e6,
+        param_overhead_us=seconds["per_param"] * 1e6,
         comm_slowdown=min(4.0, max(0.0, alone / during - 1)),
         sources=f"evenzero calibrate: {t}x{k}x{m} {str(dtype).removeprefix('torch.')} matmul, "
                 f"{COPY_NUMEL:,}-element copy, torch AdamW step on {OPTIMIZER_NUMEL:,} "
-                f"elements, matmuls beside an all-reduce; slowest rank, every rank busy, "
+                f"elements per implementation ({', '.join(impls)}), in one tensor and in "
+                f"{SMALL_TENSOR_NUMEL:,}-element ones, fp32-chunk and fp64 norms, a "
+                f"single-tensor step and a visit over {SMALL_PARAMS} one-element parameters, "
+                f"matmuls beside an all-reduce; slowest rank, every rank busy, "
                 f"{torch.get_num_threads()} thread(s) per rank")
 
 
-# --------------------------------------------------------------------------- fitting
-
-
-def fit_model(samples: Sequence[Sample], name: str = "measured", description: str = "",
-              compute: DeviceCompute | None = None, rs_variant: str = "measured") -> CostModel:
-    """Per op: one variant per measured group size, and one for any other size whose
-    latency follows a line through the measured ones (flat if one size was measured).
-    The world is the largest group size. A size whose timings did not grow with the
-    message (noise) gets no variant of its own; if none did, the fit is refused."""
-    world = max(s.group_size for s in samples)
-    measured = ", ".join(str(n) for n in sorted({s.group_size for s in samples}))
-    variants = {}
-    for op in OPS:
-        mine = [s for s in samples if s.op == op]
-        if not mine:
-            raise CostModelError(f"no samples for {op}; calibrate every op")
-        label = rs_variant if op == "reduce_scatter" else "measured"
-        exact, failed = [], None
-        for n in sorted({s.group_size for s in mine}):
+def measure_step_costs(device: torch.device) -> dict[str, float]:
+    """Seconds of the work a step does besides its collectives, on this rank alone:
+    an AdamW step over `OPTIMIZER_NUMEL` elements per torch implementation (one that
+    the device lacks is left out), in one tensor and ("<impl>_small") in tensors of
+    `SMALL_TENSOR_NUMEL` elements, the global norm of that many gradient elements in
+    fp32 chunks combined in fp64 and of an fp64 copy; "per_tensor": seconds per tensor
+    of a single-tensor AdamW step over `SMALL_PARAMS` one-element parameters (its
+    per-tensor Python loop); "per_param": seconds per parameter of a Python visit that
+    reads its gradient and data pointers (a step's own per-parameter checks)."""
+    out: dict[str, float] = {}
+    for impl in OPTIMIZER_IMPLS:
+        flags = {"foreach": impl == "foreach", "fused": impl == "fused"}
+        for key, numel in ((impl, OPTIMIZER_NUMEL), (f"{impl}_small", SMALL_TENSOR_NUMEL)):
+            params = [torch.nn.Parameter(torch.randn(numel, device=device))
+                      for _ in range(OPTIMIZER_NUMEL // numel)]
+            for q in params:
+                q.grad = torch.randn_like(q)
             try:
-                v = fit_op([s for s in mine if s.group_size == n])
-            except CostModelError as e:  # noise at one size: the line through the others prices it
-                failed = e
-                continue
-            exact.append(Variant(label, v.alpha_us, v.busbw_gbs, group_size=n))
-        if not exact:
-            raise failed
-        anchor = exact[-1]
-        variants[op] = OpCost((*exact, Variant(
-            label, anchor.alpha_us, anchor.busbw_gbs, scaling="linear",
-            step_us=_alpha_slope([(v.group_size, v.alpha_us) for v in exact]))))
-    return CostModel(name=name, description=description or f"measured on {world} ranks",
-                     reference_ranks=world, gpus_per_node=world, compute=compute,
-                     fitted_ranks=(world,),
-                     sources="evenzero calibrate: least-squares fit of t = alpha + f*S/busbw "
-                             f"per op and group size ({measured} ranks)",
-                     **variants)
+                adamw = torch.optim.AdamW(params, lr=1e-3, **flags)
+                adamw.step()
+            except (RuntimeError, ValueError):  # e.g. no fused kernel for this device
+                break
+            out[key] = 1 / _rate(adamw.step, device)
+            del adamw, params
+    grad = torch.randn(OPTIMIZER_NUMEL, device=device)
+    chunks = list(grad.split(NORM_CHUNK))
+    out["norm_fp32"] = 1 / _rate(lambda: torch.linalg.vector_norm(
+        torch.stack(torch._foreach_norm(chunks)).double()), device)
+    out["norm_fp64"] = 1 / _rate(lambda: torch.linalg.vector_norm(grad.double()), device)
+    small = [torch.nn.Parameter(torch.randn(1, device=device)) for _ in range(SMALL_PARAMS)]
+    for q in small:
+        q.grad = torch.randn_like(q)
+    loop = torch.optim.AdamW(small, lr=1e-3, foreach=False)
+    out["per_tensor"] = 1 / _rate(loop.step, device) / SMALL_PARAMS
+    seen: dict[int, int] = {}
+
+    def visit() -> None:  # what a step's own per-parameter check reads
+        for q in small:
+            g = q.grad
+            if g is not None and g.data_ptr() != seen.get(id(q)):
+                seen[id(q)] = q.data_ptr()
+
+    out["per_param"] = 1 / _rate(visit, device) / SMALL_PARAMS
+    return out
 
 
-def _alpha_slope(points: list[tuple[int, float]]) -> float:
-    """Least-squares slope of alpha over group size, clamped at 0 (latency does not fall
-    with more peers; a negative slope is noise)."""
-    if len(points) < 2:
-        return 0.0
-    mx = sum(n for n, _ in points) / len(points)
-    my = sum(a for _, a in points) / len(points)
-    den = sum((n - mx) ** 2 for n, _ in points)
-    return max(0.0, sum((n - mx) * (a - my) for n, a in points) / den)
+# --------------------------------------------------------------------------- a model
 
 
 def measure(group=None, sizes: Sequence[int] = DEFAULT_SIZES, repeats: int = 5,
@@ -382,5 +424,6 @@ def run_from_env(sizes: Sequence[int] = DEFAULT_SIZES,
 
 
 __all__ = ["ALL_TO_ALL_SUM", "DEFAULT_SIZES", "CalibrationError", "check_sweep", "default_group_sizes",
-           "fit_model", "local_threads", "measure", "measure_compute", "reduce_scatter_algorithm",
+           "local_threads", "measure", "measure_compute", "measure_step_costs",
+           "reduce_scatter_algorithm",
            "run_from_env", "run_local", "sweep"]
