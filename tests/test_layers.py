@@ -12,8 +12,6 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 SRC = Path(__file__).resolve().parents[1] / "src" / "evenzero"
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -33,11 +31,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 above. "pkg.*" is the package and everything in it; other entries are one module
 ("evenzero" alone is the package's `__init__`, which re-exports the planner and
 `ZeroOptimizer`)."""
-
-RUNTIME_CYCLES_REASON = (
-    "runtime/backward.py, optimizer.py and statedict.py import each other (ZeroOptimizer's "
-    "mixins, issue 19 item 1); the runtime branch replaces them by composition: delete this "
-    "mark when it is merged")
 
 
 @dataclass(frozen=True)
@@ -163,10 +156,6 @@ def describe(component: list[str], found: list[Import]) -> str:
     return " <-> ".join(m.removeprefix("evenzero.") for m in component) + "\n" + "\n".join(lines)
 
 
-def _is_runtime(component: list[str]) -> bool:
-    return all(m.startswith("evenzero.runtime.") for m in component)
-
-
 # ----------------------------------------------------------------------------- tests
 
 
@@ -191,14 +180,7 @@ def test_no_module_imports_a_layer_above_its_own():
 
 def test_no_import_cycle_between_files():
     found = imports()
-    bad = [c for c in cycles(file_edges(found)) if not _is_runtime(c)]
-    assert not bad, "import cycles:\n" + "\n".join(describe(c, found) for c in bad)
-
-
-@pytest.mark.xfail(reason=RUNTIME_CYCLES_REASON, strict=True)
-def test_no_import_cycle_inside_the_runtime():
-    found = imports()
-    bad = [c for c in cycles(file_edges(found)) if _is_runtime(c)]
+    bad = cycles(file_edges(found))
     assert not bad, "import cycles:\n" + "\n".join(describe(c, found) for c in bad)
 
 
