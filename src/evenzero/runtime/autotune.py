@@ -87,10 +87,12 @@ class CalibrationTarget:
 
 def quick_cost_model(target: CalibrationTarget, name: str,
                      optimizer_seconds: tuple[float, int] | None = None,
-                     how: QuickCalibration = QuickCalibration()) -> CostModel:
+                     how: QuickCalibration = QuickCalibration(),
+                     optimizer_impl: str | None = None) -> CostModel:
     """Calibrate the target's groups; collective over every group in `target.groups`
     (every rank calls it with the same sizes). `optimizer_seconds` is (seconds, master
-    elements) of an optimizer step the runtime timed, if any."""
+    elements) of an optimizer step the runtime timed, if any, with implementation
+    `optimizer_impl` (None: the device's default)."""
     sizes = how.sizes or QUICK_SIZES["cuda" if target.device.type == "cuda" else "cpu"]
     samples: list[Sample] = []
     for _, group in target.groups:
@@ -98,7 +100,7 @@ def quick_cost_model(target: CalibrationTarget, name: str,
                          target.dtype, device=target.device, rs_algorithm=target.rs_algorithm)
         samples += sweep(group, sizes[:2], ("all_reduce",), how.repeats, target.dtype,
                          device=target.device, rs_algorithm=target.rs_algorithm)
-    compute = _quick_compute(target, sizes[-1], optimizer_seconds)
+    compute = _quick_compute(target, sizes[-1], optimizer_seconds, optimizer_impl)
     world = target.groups[0][0]
     ops = {op: _op_cost(op, [s for s in samples if s.op == op], world,
                         target.rs_algorithm if op == "reduce_scatter" else "measured")
@@ -139,25 +141,29 @@ def _fit(samples: list[Sample], label: str) -> Variant:
 
 
 def _quick_compute(target: CalibrationTarget, message_numel: int,
-                   optimizer_seconds: tuple[float, int] | None) -> DeviceCompute:
+                   optimizer_seconds: tuple[float, int] | None,
+                   optimizer_impl: str | None = None) -> DeviceCompute:
     device = target.device
     src = torch.ones(COPY_NUMEL, device=device)
     dst = torch.empty_like(src)
     copy_s = _fastest(lambda: dst.copy_(src), device, 3)
     memory_gbs = 2 * COPY_NUMEL * src.element_size() / copy_s / 1e9
-    per_element = target.base.optimizer_bytes_per_element
-    if optimizer_seconds is not None and optimizer_seconds[1] > 0:
-        per_element = optimizer_seconds[0] * memory_gbs * 1e9 / optimizer_seconds[1]
     slowdown = target.base.comm_slowdown
     if device.type == "cpu":
         slowdown = _comm_slowdown(target.groups[0][1], message_numel, target.dtype)
-    return replace(target.base, name="measured by the runtime", memory_gbs=memory_gbs,
-                   optimizer_bytes_per_element=max(per_element, 1e-3), comm_slowdown=slowdown,
-                   sources=f"runtime quick calibration: {COPY_NUMEL:,}-element copy, "
-                           f"optimizer step timed by the runtime"
-                           f"{'' if optimizer_seconds else ' (not yet: preset figure)'}, "
-                           f"small matmuls beside an all-to-all; matmul throughput from "
-                           f"{target.base.name}")
+    compute = replace(target.base, name="measured by the runtime", memory_gbs=memory_gbs,
+                      comm_slowdown=slowdown,
+                      sources=f"runtime quick calibration: {COPY_NUMEL:,}-element copy, "
+                              f"optimizer step timed by the runtime"
+                              f"{'' if optimizer_seconds else ' (not yet: preset figure)'}, "
+                              f"small matmuls beside an all-to-all; matmul throughput from "
+                              f"{target.base.name}")
+    if optimizer_seconds is not None and optimizer_seconds[1] > 0:
+        # The figure of the implementation that ran (fused, foreach, ...), in this host's
+        # copy bandwidth, so the timeline prices this job's step as it ran.
+        per_element = optimizer_seconds[0] * memory_gbs * 1e9 / optimizer_seconds[1]
+        compute = compute.with_optimizer_bytes(optimizer_impl, max(per_element, 1e-3))
+    return compute
 
 
 def _fastest(work, device: torch.device, repeats: int) -> float:
@@ -236,7 +242,8 @@ def refine_bucket_numel(spec: ModelSpec, world_size: int, timings: Sequence[Back
         return RefinedBucket(None, "bucket_numel auto: no group of two or more ranks, so "
                                    "nothing to refine at run time", 0.0)
     if cost is None:
-        cost = quick_cost_model(target, f"measured-w{world_size}", optimizer_seconds, how)
+        cost = quick_cost_model(target, f"measured-w{world_size}", optimizer_seconds, how,
+                                options.optimizer_impl)
     outcome = None
     if dist.get_rank(world_group) == 0:
         try:
