@@ -47,6 +47,9 @@ def check_single_rank(rank, world, engine_kw, micro=2, clip=0.3, atol=1e-6, use_
     n = len(opt.plan.backward())
     assert opt.trace[:n] == opt.plan.backward(), "recorded as planned, though not issued"
     assert {c.algorithm for c in opt.trace} == {"local"}, opt.trace
+    # The implementation evenzero chose is its own: the groups show torch's defaults.
+    assert opt.config.optimizer_impl == "fused", opt.config
+    assert all(g["fused"] is None and g["foreach"] is None for g in opt.param_groups)
     report = opt.memory_report()
     if (engine_kw.get("stage", 2) == 2 and engine_kw.get("strategy", "evenzero") == "evenzero"
             and "reduce_dtype" not in engine_kw):  # bucketless: no pool at all

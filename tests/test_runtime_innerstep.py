@@ -132,3 +132,15 @@ def test_the_masked_step_runs_each_pick_like_torch_per_parameter(name, world, ra
         want = _gather(p, ranges, {n: v.detach() for n, v in ref.items()})
         torch.testing.assert_close(master.detach(), want, rtol=1e-6, atol=1e-6,
                                    msg=lambda m, s=step: f"step {s}: {m}")
+
+
+def test_the_groups_show_the_users_implementation_keys_not_evenzeros():
+    from evenzero.runtime.innerstep import keeps_inner_choice, user_defaults
+
+    inner = {"lr": 1e-3, "foreach": None, "fused": True, "maximize": False}
+    assert user_defaults(inner, {"lr": 1e-3}) == {**inner, "fused": None}
+    assert user_defaults(inner, {"fused": True})["fused"] is True
+    # A group left at torch's default keeps the inner choice; a value the user sets is
+    # passed on, as torch reads it at each step.
+    assert keeps_inner_choice("fused", None) and keeps_inner_choice("foreach", None)
+    assert not keeps_inner_choice("fused", False) and not keeps_inner_choice("lr", None)

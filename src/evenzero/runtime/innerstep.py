@@ -87,6 +87,27 @@ class InnerStep:
 
 
 
+IMPL_KEYS = ("foreach", "fused")
+"""The optimizer arguments that pick an implementation."""
+
+
+def user_defaults(inner_defaults: Mapping[str, Any], user_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The defaults `ZeroOptimizer.param_groups` show: the inner optimizer's, except the
+    implementation keys, which stay as the user gave them (None: torch's default), as
+    `torch.optim` would show them; an implementation evenzero chose is its own detail."""
+    out = dict(inner_defaults)
+    for key in IMPL_KEYS:
+        if key in out:
+            out[key] = user_kwargs.get(key)
+    return out
+
+
+def keeps_inner_choice(key: str, value: Any) -> bool:
+    """Whether a user group's `key: value` leaves the inner optimizer's own setting alone
+    (an implementation key the user left at torch's default)."""
+    return key in IMPL_KEYS and value is None
+
+
 def _accepts(optimizer_class: type, name: str) -> bool:
     try:
         return name in inspect.signature(optimizer_class.__init__).parameters

@@ -95,7 +95,7 @@ from evenzero.runtime.config import ZeroConfig
 from evenzero.runtime.engine import ShardEngine
 from evenzero.runtime.gradclear import ClearTracker
 from evenzero.runtime.gradstats import StepCheck, StepCheckConfig
-from evenzero.runtime.innerstep import choose_inner_step
+from evenzero.runtime.innerstep import choose_inner_step, user_defaults
 from evenzero.runtime.memory import MemoryReport
 from evenzero.runtime.planholder import PlanHolder
 from evenzero.runtime.precision import LossScaler, ScalerSlot, as_dtype, loss_scaler_for
@@ -201,7 +201,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._constructing = True
         torch.optim.Optimizer.__init__(
             self, [{"params": list(g.params), **g.options} for g in setup.groups],
-            dict(self._engine.inner.defaults))
+            user_defaults(self._engine.inner.defaults, kwargs))
         self._constructing = False
         self.step_count = 0
         self.last_step_skipped = False

@@ -37,6 +37,7 @@ import torch
 from evenzero.plan import STEP, Collective, Plan
 from evenzero.runtime.buckets import FlatParams
 from evenzero.runtime.collectives import all_gather_flat
+from evenzero.runtime.innerstep import keeps_inner_choice
 from evenzero.runtime.maskedstep import MaskedStep, split_state
 from evenzero.runtime.paramwrites import pick_up
 from evenzero.runtime.shardruns import ShardRuns
@@ -187,7 +188,7 @@ class GroupShard:
         """The user's group options (lr, betas, ...) as the next step sees them."""
         group = self.stepper.group
         for key, value in user.items():
-            if key != "params":
+            if key != "params" and not keeps_inner_choice(key, value):
                 group[key] = value
 
     def begin_step(self, present: Iterable[str], active: bool,
