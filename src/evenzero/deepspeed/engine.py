@@ -293,7 +293,7 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        from evenzero.deepspeed.checkpointing import save_engine
+        from evenzero.deepspeed.engine_checkpoint import save_engine
 
         return save_engine(self, save_dir, tag, client_state or {}, save_latest,
                            exclude_frozen_parameters)
@@ -301,7 +301,7 @@ class DeepSpeedEngine(torch.nn.Module):
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None):
-        from evenzero.deepspeed.checkpointing import load_engine
+        from evenzero.deepspeed.engine_checkpoint import load_engine
 
         return load_engine(self, load_dir, tag, load_module_strict, load_optimizer_states,
                            load_lr_scheduler_states, load_module_only, custom_load_fn)
