@@ -53,8 +53,10 @@ def save_engine(engine: Any, save_dir: str, tag: Any, client_state: dict, save_l
         "global_samples": engine.global_samples, "dp_world_size": engine.dp_world_size,
         "mp_world_size": 1, "ds_config": engine.config, "clip_grad": engine.gradient_clipping(),
         # What DeepSpeed's model-states file also records and its zero_to_fp32 reads
-        # (deepspeed/runtime/engine.py@0.19.8:5406-5488): persistent buffers and tied aliases.
+        # (deepspeed/runtime/engine.py@0.19.8:5406-5488): persistent buffers, tied aliases
+        # and the trained parameters in optimizer-group order.
         "buffer_names": buffer_names(engine.module), "shared_params": shared_params(engine.module),
+        "param_shapes": param_shapes(engine.module, engine.optimizer.param_groups),
     }
     state.update(client_state)
     extra = state if dist.get_rank() == 0 else None
@@ -72,6 +74,13 @@ def buffer_names(module: Any) -> list[str]:
     """The module's persistent buffers, in `state_dict` order."""
     buffers = {name for name, _ in module.named_buffers()}
     return [name for name in module.state_dict() if name in buffers]
+
+
+def param_shapes(module: Any, groups: list[dict]) -> list[dict[str, list[int]]]:
+    """Per optimizer group, {name: shape} of its trained parameters in group order."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return [{names[id(p)]: list(p.shape) for p in g["params"]
+             if p.requires_grad and id(p) in names} for g in groups]
 
 
 def shared_params(module: Any) -> dict[str, str]:

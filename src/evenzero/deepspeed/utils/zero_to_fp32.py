@@ -108,7 +108,8 @@ def _from_evenzero(path: Path, exclude_frozen: bool) -> dict[str, torch.Tensor]:
     buffers = engine.get("buffer_names")
     out: dict[str, torch.Tensor] = {}
     with checkpoint_files.RangeReader(path) as reader:
-        extras = reader.read_all(EXTRA_FILE) if manifest.extras else {}
+        stored = reader.read_all(EXTRA_FILE) if manifest.extras else {}
+        extras = {t.name: stored[t.name] for t in manifest.extras if t.name in stored}
         if buffers is None:
             out.update(extras)
         else:
@@ -117,7 +118,7 @@ def _from_evenzero(path: Path, exclude_frozen: bool) -> dict[str, torch.Tensor]:
                     out[name] = _upcast(extras[name])
             if not exclude_frozen:
                 out.update({k: v for k, v in extras.items() if k not in set(buffers)})
-        for p in manifest.params:
+        for p in _trained_order(manifest.params, engine.get("param_shapes")):
             flat = torch.empty(p.numel, dtype=torch.float32)
             for s in p.ranges:
                 flat[s.start:s.start + s.numel] = reader.read(
@@ -125,6 +126,15 @@ def _from_evenzero(path: Path, exclude_frozen: bool) -> dict[str, torch.Tensor]:
             out[p.name] = flat.view(p.shape)
     _alias(out, engine.get("shared_params") or {})
     return out
+
+
+def _trained_order(params: Any, shapes: Any) -> list[Any]:
+    """The stored parameters in DeepSpeed's order (optimizer groups, then group order),
+    when the engine recorded it; else as stored."""
+    if not shapes:
+        return list(params)
+    rank = {name: i for i, name in enumerate(n for group in shapes for n in group)}
+    return sorted(params, key=lambda p: rank.get(p.name, len(rank)))
 
 
 def _upcast(t: torch.Tensor) -> torch.Tensor:
