@@ -96,6 +96,13 @@ def test_children_inherit_the_standin_and_the_exit_status():
     assert proc.returncode == 7, proc.stderr[-2000:]
 
 
+def test_python_dash_m_runs_deepspeed_tools(tmp_path):
+    """`python -m deepspeed.utils.zero_to_fp32` (DeepSpeed's documented form) runs ours."""
+    proc = evenzero_run(sys.executable, "-m", "deepspeed.utils.zero_to_fp32", str(tmp_path),
+                        str(tmp_path / "out"))
+    assert proc.returncode != 0 and "Unable to find 'latest' file" in proc.stderr
+
+
 def test_run_refuses_bad_commands_with_one_line():
     proc = evenzero_run()
     assert proc.returncode == 2 and "expected a command" in proc.stderr

@@ -84,7 +84,7 @@ def test_losses_and_weights_equal_real_deepspeed(runs):
         assert max_relative(o["micro_losses"], t["micro_losses"]) <= 1e-6
         norms = [(h["grad_norm"], g["grad_norm"]) for h, g in
                  zip(o["log_history"], t["log_history"], strict=True) if "grad_norm" in h]
-        assert len(norms) == 6 and max_relative(*zip(*norms)) <= 1e-6
+        assert len(norms) == 6 and max_relative(*zip(*norms, strict=True)) <= 1e-6
         lrs = [(h["learning_rate"], g["learning_rate"]) for h, g in
                zip(o["log_history"], t["log_history"], strict=True) if "learning_rate" in h]
         assert all(a == b for a, b in lrs)

@@ -86,6 +86,11 @@ class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self._original_specs[spec.name] = module.__spec__
         return module
 
+    def get_code(self, fullname: str):
+        """For `python -m deepspeed.X` (runpy runs the code of evenzero.deepspeed.X)."""
+        name = TARGET + fullname[len(ALIAS):]
+        return importlib.util.find_spec(name).loader.get_code(name)
+
     def exec_module(self, module: ModuleType) -> None:
         # The import system set the alias spec on the shared module object; the module
         # keeps its own (it is evenzero.deepspeed.<name>, already executed).
