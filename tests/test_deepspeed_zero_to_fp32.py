@@ -55,11 +55,28 @@ def save_with_evenzero(rank: int, world: int, run: Run, out: str) -> dict | None
                        for n in ("frozen.weight", "frozen.bias")}}
 
 
-@pytest.mark.parametrize("run", [Run(stage=2), Run(stage=1, precision="bf16")],
-                         ids=["fp32-zero2", "bf16-zero1"])
-def test_evenzero_checkpoint_gives_the_fp32_masters(run, tmp_path):
-    result = run_distributed(save_with_evenzero, 2, (run, str(tmp_path / "ckpt")),
-                             timeout=300)[0]
+RUNS = {"fp32-zero2": Run(stage=2), "bf16-zero1": Run(stage=1, precision="bf16")}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(checkpoint directory, rank 0's checks) of each run, trained and saved once."""
+    cache: dict[str, tuple[Path, dict]] = {}
+
+    def get(name: str) -> tuple[Path, dict]:
+        if name not in cache:
+            root = tmp_path_factory.mktemp(name) / "ckpt"
+            result = run_distributed(save_with_evenzero, 2, (RUNS[name], str(root)),
+                                     timeout=300)[0]
+            cache[name] = (root, result)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_evenzero_checkpoint_gives_the_fp32_masters(name, saved):
+    _, result = saved(name)
     # DeepSpeed's order: persistent buffers, frozen parameters, trained ones, tied aliases.
     assert result["names"] == ["scale", "frozen.weight", "frozen.bias", "inp.weight", "inp.bias",
                                "mid.weight", "head.bias", "head.weight"]
@@ -68,11 +85,10 @@ def test_evenzero_checkpoint_gives_the_fp32_masters(run, tmp_path):
     assert all(result["frozen"].values()), result["frozen"]
 
 
-def test_recovery_script_and_conversion_write_the_same_state_dict(tmp_path):
+def test_recovery_script_and_conversion_write_the_same_state_dict(saved, tmp_path):
     pytest.importorskip("huggingface_hub", reason="sharded output needs huggingface_hub, as "
                         "DeepSpeed's tool does")
-    root = tmp_path / "ckpt"
-    run_distributed(save_with_evenzero, 2, (Run(stage=2), str(root)), timeout=300)
+    root, _ = saved("fp32-zero2")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH",
                                                                                    "")])}
     proc = subprocess.run([sys.executable, str(root / "zero_to_fp32.py"), str(root),
