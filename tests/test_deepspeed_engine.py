@@ -126,8 +126,9 @@ def check_optimizer_view() -> None:
     assert engine.get_lr() == [0.1] and engine.get_mom() == [0]
     with pytest.raises(RuntimeError, match=r"engine.step\(\)"):
         opt.step()
-    with pytest.raises(RuntimeError, match="save_checkpoint"):
-        opt.state_dict()
+    # This rank's shard, as DeepSpeed's ZeRO optimizer returns its partition (Lightning
+    # saves it on every checkpoint); test_deepspeed_framework_api.py loads it back.
+    assert set(opt.state_dict()) == {"state", "param_groups", "evenzero"}
 
 
 def check_client_optimizer_keeps_user_lr_changes() -> None:

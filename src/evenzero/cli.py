@@ -1,10 +1,11 @@
-"""The `evenzero` command: plan, calibrate, repro, bench.
+"""The `evenzero` command: plan, calibrate, repro, bench, convert-deepspeed, run.
 
     evenzero plan MODEL --world-size W ...   the collective schedule under each strategy
     evenzero calibrate --world-size W ...    measure alpha and bandwidth per collective
     evenzero repro ...                       the seed case trained side by side
     evenzero bench ...                       a dense GPT trained side by side
     evenzero convert-deepspeed DS_DIR OUT    a DeepSpeed ZeRO-1/2 checkpoint as an evenzero one
+    evenzero run COMMAND...                  a launch command with deepspeed = evenzero.deepspeed
 
 `evenzero COMMAND --help` lists a command's options. Exit status: 0 done; 1 the command
 ran and failed (a rank died, results disagree); 2 bad input, with one line on stderr
@@ -43,6 +44,8 @@ COMMANDS: dict[str, Command] = {
     "bench": Command("evenzero.repro.bench", "run the benchmarks"),
     "convert-deepspeed": Command("evenzero.commands.convert_deepspeed",
                                  "write an evenzero checkpoint from a DeepSpeed ZeRO-1/2 one"),
+    "run": Command("evenzero.commands.run",
+                   "run a launch command with `import deepspeed` as evenzero.deepspeed"),
 }
 """Every subcommand by name. A new one is a module with the two functions and a line here."""
 

@@ -47,10 +47,12 @@ from evenzero.checkpoint import files as checkpoint_io
 from evenzero.checkpoint.agree import agree, attempt
 from evenzero.checkpoint.compat import check_compatible
 from evenzero.checkpoint.consolidate import (
+    ConsolidatedCheckpoint,
     consolidated_state_dict,
     export_consolidated,
     import_consolidated,
     load_consolidated_state_dict,
+    read_consolidated,
 )
 from evenzero.checkpoint.deepspeed import (
     DeepSpeedCheckpoint,
@@ -189,7 +191,7 @@ def _checkpoint_name(opt: ShardedOptimizer, step: object, tag: str | None) -> tu
     return value, step_dirname(value) if tag is None else checkpoint_io.check_tag(tag)
 
 
-__all__ = ["CheckpointError", "Manifest", "consolidated_state_dict", "export_consolidated",
-           "import_consolidated", "latest", "load", "load_consolidated_state_dict", "save",
+__all__ = ["CheckpointError", "ConsolidatedCheckpoint", "Manifest", "consolidated_state_dict", "export_consolidated",
+           "import_consolidated", "latest", "load", "load_consolidated_state_dict", "read_consolidated", "save",
            "wait"]
 __all__ += ["DeepSpeedCheckpoint", "is_deepspeed_checkpoint", "load_deepspeed"]

@@ -17,6 +17,10 @@ data-parallel groups; a rank imports the directory of its own expert-parallel ra
 `import_consolidated` / `load_consolidated_state_dict` go the other way, from those
 files or from in-memory state dicts: a torch optimizer state dict keyed by name, or by
 position (the usual format, positions as in `module.parameters()`).
+
+`read_consolidated(path)` needs no optimizer and no process group: it assembles every
+parameter's fp32 master, whole, from a checkpoint directory's rank files (DeepSpeed's
+`zero_to_fp32` does this for its own files; the drop-in's does it for both).
 """
 
 from __future__ import annotations
@@ -24,14 +28,16 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from evenzero.checkpoint import files as checkpoint_files
 from evenzero.checkpoint.agree import agree, attempt
-from evenzero.checkpoint.format import MASTER, CheckpointError
+from evenzero.checkpoint.format import EXTRA_FILE, MASTER, CheckpointError, tensor_key
 from evenzero.checkpoint.protocol import ShardedOptimizer
 from evenzero.checkpoint.reshard import fill_shard, scatter_shard
 from evenzero.checkpoint.staging import StagedGroup, apply, stage
@@ -44,6 +50,7 @@ from evenzero.checkpoint.state import (
     stepped_params,
     trainable_names,
 )
+from evenzero.checkpoint.userstate import read_user_state
 
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -299,4 +306,50 @@ def _group_from(sd: dict[str, Any], names: list[str], shapes: dict[str, tuple[in
         for n in stepped:
             scalars[n][key] = _copy(per[n][key])
     return states, scalars, hyper
+
+
+@dataclass(frozen=True)
+class ConsolidatedCheckpoint:
+    """A checkpoint read whole on one process (`read_consolidated`)."""
+
+    params: dict[str, torch.Tensor]
+    """Every trained parameter's fp32 master, whole and in its shape, in stored order."""
+    extras: dict[str, torch.Tensor]
+    """What rank 0 saved of the model besides them: buffers and frozen parameters."""
+    user_state: Any
+    """Rank 0's `extra` (None if it saved none)."""
+
+
+def read_consolidated(path: str | os.PathLike) -> ConsolidatedCheckpoint:
+    """Read the checkpoint at `path` (a `step-NNNNNN` or tag directory) whole, without an
+    optimizer or a process group. Every file read is checked against its checksum first.
+    Checkpoints with expert-parallel groups hold one set of experts per expert-parallel
+    rank and are refused (`export_consolidated` in the job writes them)."""
+    path = Path(path)
+    manifest = checkpoint_files.read_manifest(path)
+    experts = [g.name for g in manifest.groups if g.expert_parallel_size > 1]
+    if experts:
+        raise CheckpointError(f"{path}: expert-parallel groups {experts} keep one set of experts "
+                              f"per expert-parallel rank; consolidate them with "
+                              f"evenzero.checkpoint.export_consolidated in the job")
+    records = {f.name: f for f in manifest.files}
+    wanted = {s.file for p in manifest.params for s in p.ranges}
+    if manifest.extras:
+        wanted.add(EXTRA_FILE)
+    for name in sorted(wanted):
+        if name not in records:
+            raise CheckpointError(f"{path / name}: not listed in the manifest")
+        checkpoint_files.verify_file(path, records[name])
+    user_state = read_user_state(path, manifest, 0) if manifest.user_state else None
+    params: dict[str, torch.Tensor] = {}
+    with checkpoint_files.RangeReader(path) as reader:
+        stored = reader.read_all(EXTRA_FILE) if manifest.extras else {}
+        extras = {t.name: stored[t.name] for t in manifest.extras if t.name in stored}
+        for p in manifest.params:
+            flat = torch.empty(p.numel, dtype=torch.float32)
+            for s in p.ranges:
+                flat[s.start:s.start + s.numel] = reader.read(
+                    s.file, tensor_key(p.key, MASTER, s.start), 0, s.numel)
+            params[p.name] = flat.view(p.shape)
+    return ConsolidatedCheckpoint(params, extras, user_state)
 

@@ -8,20 +8,29 @@ evenzero, changing only that import.
         engine.backward(loss)
         engine.step()
 
-The names here mirror the DeepSpeed 0.19.8 API such a script uses: `initialize`,
-`init_distributed`, `add_config_arguments`, `DeepSpeedEngine`, `comm`, `moe` (DeepSpeed's
-MoE layer and its helpers, implemented here: `moe.layer`, `moe.utils`, ...), the LR
-schedules (also as `runtime.lr_schedules`), `ops.adam.FusedAdam` / `DeepSpeedCPUAdam` (their
-CPU kernel's arithmetic in PyTorch) and `utils.logger` / `utils.log_dist`. What
-each config key maps to, what is accepted as a no-op and what is refused: docs/why.md,
-"Switching from DeepSpeed in one line". DeepSpeed itself is never imported here.
+The names here mirror the DeepSpeed 0.19.8 API that such scripts and the frameworks
+built on DeepSpeed (Hugging Face Trainer, Accelerate, TRL) use: `initialize`,
+`init_distributed`, `add_config_arguments`, `DeepSpeedEngine`, the LR schedules, and the
+submodules `accelerator`, `checkpoint.utils`, `checkpointing` (activation checkpointing),
+`comm`, `launcher.runner`, `moe` (DeepSpeed's MoE layer
+and its helpers, implemented here), `ops.adam`, `runtime.lr_schedules` / `.engine` /
+`.dataloader`, `utils.logging` / `.zero_to_fp32` and `zero` (ZeRO-3's API: refused, except
+the no-op `GatheredParameters`), each importable as a real module. What DeepSpeed has and
+evenzero does not is refused by name (`evenzero.deepspeed.refusals`). What each config key
+maps to, what is accepted as a no-op and what is refused: docs/why.md, "Switching from
+DeepSpeed in one line". DeepSpeed itself is never imported here.
+
+`evenzero run COMMAND...` runs any launch command (python, torchrun, accelerate launch,
+`deepspeed --num_gpus N ...`) with `import deepspeed` resolving to this package
+(`evenzero.deepspeed.standin`).
 """
 
 from __future__ import annotations
 
 import importlib
-from types import SimpleNamespace
 from typing import Any
+
+import torch
 
 from evenzero.deepspeed import comm
 from evenzero.deepspeed.config import DeepSpeedConfigError
@@ -29,6 +38,7 @@ from evenzero.deepspeed.dataloader import DeepSpeedDataLoader, RepeatingLoader
 from evenzero.deepspeed.engine import DeepSpeedEngine
 from evenzero.deepspeed.launch import add_config_arguments, init_distributed
 from evenzero.deepspeed.loss_scaler import DeepSpeedLossScaler
+from evenzero.deepspeed.refusals import unsupported
 from evenzero.deepspeed.schedulers import (
     LRRangeTest,
     OneCycle,
@@ -40,32 +50,58 @@ from evenzero.deepspeed.setup import initialize
 
 __version__ = "0.19.8"
 """The DeepSpeed API version mirrored (scripts sometimes compare it)."""
+__version_major__, __version_minor__, __version_patch__ = 0, 19, 8
+version = __version__
+
+
+SUBMODULES = ("accelerator", "checkpoint", "checkpointing", "launcher", "moe", "ops",
+              "runtime", "utils", "zero")
+"""DeepSpeed's submodules provided here, each a real module (`import deepspeed.ops.adam`)."""
+
+_LAZY_NAMES = {"get_accelerator": "evenzero.deepspeed.accelerator",
+               "log_dist": "evenzero.deepspeed.utils.logging",
+               "logger": "evenzero.deepspeed.log"}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "moe":
-        return importlib.import_module("evenzero.deepspeed.moe")
-    if name in ("runtime", "utils"):
-        return importlib.import_module(f"evenzero.deepspeed.{name}")
-    if name == "ops":
-        from evenzero.deepspeed.fused_adam import DeepSpeedCPUAdam, FusedAdam
-
-        return SimpleNamespace(adam=SimpleNamespace(FusedAdam=FusedAdam,
-                                                    DeepSpeedCPUAdam=DeepSpeedCPUAdam))
-    if name in ("zero", "checkpointing", "pipe"):
+    if name in SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in _LAZY_NAMES:
+        return getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+    if name in _MISSING:
         raise AttributeError(f"deepspeed.{name} is not provided by evenzero.deepspeed: "
                              f"{_MISSING[name]}")
     raise AttributeError(f"module 'evenzero.deepspeed' has no attribute {name!r}")
 
 
 _MISSING = {
-    "zero": "ZeRO stage 3 (deepspeed.zero.Init, GatheredParameters) is not supported",
-    "checkpointing": "use torch.utils.checkpoint(use_reentrant=False) for activation "
-                     "checkpointing",
     "pipe": "pipeline parallelism is not supported",
+    "inference": "DeepSpeed inference is not supported",
+    "InferenceEngine": "DeepSpeed inference is not supported",
+    "DeepSpeedHybridEngine": "the hybrid (RLHF) engine is not supported",
+    "module_inject": "kernel injection and AutoTP are not supported",
 }
 
+
+def init_inference(model: Any = None, config: Any = None, **kwargs: Any) -> Any:
+    """Refused: DeepSpeed inference is not part of evenzero."""
+    raise unsupported("deepspeed.init_inference", "DeepSpeed inference is not supported")
+
+
+def tp_model_init(model: Any = None, tp_size: Any = None, dtype: Any = None,
+                  config: Any = None, **kwargs: Any) -> Any:
+    """Refused: tensor parallelism is not part of evenzero."""
+    raise unsupported("deepspeed.tp_model_init", "tensor parallelism (AutoTP) is not supported")
+
+
+class PipelineModule(torch.nn.Module):
+    """Refused on construction: pipeline parallelism is not part of evenzero."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise unsupported("deepspeed.PipelineModule", "pipeline parallelism is not supported")
+
+
 __all__ = ["DeepSpeedConfigError", "DeepSpeedDataLoader", "DeepSpeedEngine",
-           "DeepSpeedLossScaler", "LRRangeTest", "OneCycle", "RepeatingLoader", "WarmupCosineLR",
-           "WarmupDecayLR", "WarmupLR", "__version__", "add_config_arguments", "comm",
-           "init_distributed", "initialize"]
+           "DeepSpeedLossScaler", "LRRangeTest", "OneCycle", "PipelineModule", "RepeatingLoader",
+           "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "__version__", "add_config_arguments",
+           "comm", "init_distributed", "init_inference", "initialize", "tp_model_init"]

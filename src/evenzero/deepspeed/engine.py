@@ -31,6 +31,7 @@ from evenzero.deepspeed.config import EngineConfig
 from evenzero.deepspeed.engine_optimizer import EngineOptimizer, drop_local_grads
 from evenzero.deepspeed.launch import Placement
 from evenzero.deepspeed.log import logger
+from evenzero.deepspeed.refusals import unsupported as refusal
 
 
 class DeepSpeedEngine(torch.nn.Module):
@@ -63,6 +64,7 @@ class DeepSpeedEngine(torch.nn.Module):
         self._in_engine_backward = False
         self._manual_backward_expected = False
         self.inside_no_sync_ctxt = False
+        self._is_compiled = False
         if self.optimizer is not None:
             self._report_progress(0)
 
@@ -324,6 +326,39 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def destroy(self) -> None:
         """Nothing to release (DeepSpeed frees its buffers here)."""
+
+    # ------------------------------------------------------------------ torch.compile
+
+    def compile(self, backend: str | None = None, compile_kwargs: dict | None = None,
+                schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's `engine.compile` (deepspeed/runtime/engine.py@0.19.8:5859): compiles the
+        wrapped module in place (`module.compile(backend=..., **compile_kwargs)`), once;
+        Accelerate calls it when a dynamo backend is configured. The gradient hooks that
+        reduce the buckets sit on the parameters, outside the compiled graph. DeepCompile
+        schedules and compiled autograd are refused by name."""
+        if schedule is not None:
+            raise refusal("engine.compile(schedule=...)", "DeepCompile schedules are not "
+                          "supported")
+        if compiled_autograd_enabled:
+            raise refusal("engine.compile(compiled_autograd_enabled=True)",
+                          "compiled autograd would trace the gradient-reduction hooks")
+        if self._is_compiled:
+            return
+        if backend is None:
+            from evenzero.deepspeed.accelerator import get_accelerator
+
+            backend = get_accelerator().get_compile_backend()
+        kwargs = dict(compile_kwargs or {})
+        if "backend" in kwargs:
+            logger.warning("The `backend` in `compile_kwargs` will be overridden. Use the "
+                           "`backend` argument instead.")
+        kwargs["backend"] = backend
+        self.module.compile(**kwargs)
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._is_compiled
 
 
 def _check_loss(loss: Any) -> None:

@@ -52,15 +52,70 @@ def save_engine(engine: Any, save_dir: str, tag: Any, client_state: dict, save_l
         "skipped_steps": engine.skipped_steps, "global_steps": engine.global_steps,
         "global_samples": engine.global_samples, "dp_world_size": engine.dp_world_size,
         "mp_world_size": 1, "ds_config": engine.config, "clip_grad": engine.gradient_clipping(),
+        # What DeepSpeed's model-states file also records and its zero_to_fp32 reads
+        # (deepspeed/runtime/engine.py@0.19.8:5406-5488): persistent buffers, tied aliases
+        # and the trained parameters in optimizer-group order.
+        "buffer_names": buffer_names(engine.module), "shared_params": shared_params(engine.module),
+        "param_shapes": param_shapes(engine.module, engine.optimizer.param_groups),
     }
     state.update(client_state)
     extra = state if dist.get_rank() == 0 else None
     path = checkpoint.save(engine.zero, save_dir, engine.global_steps, extra=extra, tag=tag)
-    if save_latest and dist.get_rank() == 0:
-        _write_latest(Path(save_dir), tag)
+    if dist.get_rank() == 0:
+        if save_latest:
+            _write_latest(Path(save_dir), tag)
+        _write_recovery_script(Path(save_dir))
     dist.barrier()
     info_rank0("saved checkpoint %s", path)
     return True
+
+
+def buffer_names(module: Any) -> list[str]:
+    """The module's persistent buffers, in `state_dict` order."""
+    buffers = {name for name, _ in module.named_buffers()}
+    return [name for name in module.state_dict() if name in buffers]
+
+
+def param_shapes(module: Any, groups: list[dict]) -> list[dict[str, list[int]]]:
+    """Per optimizer group, {name: shape} of its trained parameters in group order."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return [{names[id(p)]: list(p.shape) for p in g["params"]
+             if p.requires_grad and id(p) in names} for g in groups]
+
+
+def shared_params(module: Any) -> dict[str, str]:
+    """Tied parameters: {alias: the name the parameter is trained and saved under}."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+RECOVERY_SCRIPT = "zero_to_fp32.py"
+_RECOVERY_TEXT = '''#!/usr/bin/env python
+# Written by evenzero's engine.save_checkpoint, as DeepSpeed writes its own zero_to_fp32.py:
+#     python zero_to_fp32.py CHECKPOINT_DIR OUTPUT_DIR [-t TAG] [--safe_serialization] ...
+# consolidates this directory's checkpoint into a plain fp32 state dict (needs evenzero).
+from evenzero.deepspeed.utils.zero_to_fp32 import main
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def _write_recovery_script(root: Path) -> None:
+    """DeepSpeed copies its zero_to_fp32.py next to ZeRO checkpoints
+    (deepspeed/runtime/engine.py@0.19.8:5530-5567); this one runs evenzero's."""
+    script = root / RECOVERY_SCRIPT
+    try:
+        if not script.exists() or script.read_text() != _RECOVERY_TEXT:
+            script.write_text(_RECOVERY_TEXT)
+    except OSError as e:
+        warning_rank0("could not write %s: %s", script, e)
 
 
 def _write_latest(root: Path, tag: str) -> None:

@@ -72,11 +72,18 @@ class EngineOptimizer:
         raise RuntimeError("call engine.backward(loss), not optimizer.backward(loss)")
 
     def state_dict(self) -> dict:
-        raise RuntimeError("the optimizer state is sharded across ranks; save it with "
-                           "engine.save_checkpoint(dir) (or evenzero.checkpoint.save)")
+        """This rank's shard of the optimizer state, as DeepSpeed's ZeRO optimizer returns
+        its partition (deepspeed/runtime/zero/stage_1_and_2.py@0.19.8:3358): the
+        `ZeroOptimizer`'s per-rank state dict (masters, optimizer state, step, loss scale).
+        It loads back at the same world size (`load_state_dict`); to change the world size
+        use `engine.save_checkpoint` / `load_checkpoint`. Lightning saves it on every
+        checkpoint."""
+        return self.zero.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        raise RuntimeError("load optimizer state with engine.load_checkpoint(dir)")
+        """What `state_dict()` returned on this rank, at the same world size (a collective,
+        as in DeepSpeed, which also requires the same data-parallel size)."""
+        self.zero.load_state_dict(state)
 
     def __repr__(self) -> str:
         return f"EngineOptimizer({type(self.optimizer).__name__}, stage={self.zero.config.stage})"

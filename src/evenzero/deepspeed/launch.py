@@ -46,8 +46,12 @@ def default_timeout() -> timedelta:
 
 
 def use_cpu() -> bool:
-    """CPU unless CUDA is there and `DS_ACCELERATOR` does not say otherwise."""
+    """CPU unless CUDA is there and `DS_ACCELERATOR` does not say otherwise. Any other
+    accelerator DeepSpeed knows (xpu, npu, hpu, mps, ...) is refused by name."""
     accel = os.environ.get("DS_ACCELERATOR", "").lower()
+    if accel not in ("", "cpu", "cuda"):
+        raise LaunchError(f"DS_ACCELERATOR={os.environ['DS_ACCELERATOR']}: evenzero.deepspeed "
+                          f"runs on cpu or cuda only; unset it or set it to one of those")
     return accel == "cpu" or (accel != "cuda" and not torch.cuda.is_available())
 
 

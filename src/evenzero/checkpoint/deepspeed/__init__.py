@@ -16,6 +16,11 @@ or convert them offline. One concept per module:
 from __future__ import annotations
 
 from evenzero.checkpoint.deepspeed.load import DeepSpeedCheckpoint, load_deepspeed
-from evenzero.checkpoint.deepspeed.reader import is_deepspeed_checkpoint
+from evenzero.checkpoint.deepspeed.reader import (
+    DeepSpeedFiles,
+    is_deepspeed_checkpoint,
+    read_deepspeed,
+)
 
-__all__ = ["DeepSpeedCheckpoint", "is_deepspeed_checkpoint", "load_deepspeed"]
+__all__ = ["DeepSpeedCheckpoint", "DeepSpeedFiles", "is_deepspeed_checkpoint", "load_deepspeed",
+           "read_deepspeed"]

@@ -1,0 +1,29 @@
+"""`deepspeed.checkpoint.utils.clone_tensors_for_torch_save`
+(deepspeed/checkpoint/utils.py@0.19.8:41)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def clone_tensors_for_torch_save(item: Any, device: Any = torch.device("cpu")) -> Any:  # noqa: B008
+    """A copy of `item` with every tensor in it (nested in lists, tuples and dicts) cloned
+    onto `device`, detached: views no longer hold their whole storage when saved."""
+    if torch.is_tensor(item):
+        if isinstance(device, str):
+            device = torch.device(device)
+        if device == item.device:
+            return item.detach().clone()
+        return item.detach().to(device)
+    if isinstance(item, list):
+        return [clone_tensors_for_torch_save(v, device) for v in item]
+    if isinstance(item, tuple):
+        return tuple(clone_tensors_for_torch_save(v, device) for v in item)
+    if isinstance(item, dict):
+        return type(item)({k: clone_tensors_for_torch_save(v, device) for k, v in item.items()})
+    return item
+
+
+__all__ = ["clone_tensors_for_torch_save"]

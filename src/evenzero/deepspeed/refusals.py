@@ -1,0 +1,67 @@
+"""The parts of DeepSpeed 0.19.8 that evenzero.deepspeed does not provide, and why.
+
+`import deepspeed.X` of a module listed here (or below one) fails with
+`ModuleNotFoundError` naming the feature; so does any other DeepSpeed module this
+package does not have (the `deepspeed` stand-in's import finder asks `missing_module`).
+A script that only imports such a module inside `try/except ImportError` keeps its
+fallback, as without DeepSpeed.
+"""
+
+from __future__ import annotations
+
+ZERO3 = "ZeRO stage 3 (parameter partitioning) is not supported; use stage 1 or 2"
+
+REFUSED_MODULES = {
+    "runtime.zero": ZERO3,
+    "zero": ZERO3,
+    "pipe": "pipeline parallelism (PipelineModule) is not supported",
+    "runtime.pipe": "pipeline parallelism (PipelineModule) is not supported",
+    "inference": "DeepSpeed inference (init_inference) is not supported",
+    "module_inject": "kernel injection and AutoTP are not supported",
+    "runtime.tensor_parallel": "tensor parallelism (AutoTP) is not supported",
+    "runtime.sequence_parallel": "sequence parallelism (Ulysses/ALST) is not supported",
+    "sequence": "sequence parallelism (Ulysses) is not supported",
+    "runtime.hybrid_engine": "the hybrid (RLHF) engine is not supported",
+    "ops.adagrad": "DeepSpeedCPUAdagrad exists for optimizer offload, which is not supported",
+    "ops.lion": "DeepSpeed's Lion optimizers are not provided (FusedLion, DeepSpeedCPULion)",
+    "ops.lamb": "DeepSpeed's FusedLamb is not provided",
+    "ops.transformer": "DeepSpeed's fused transformer kernels are not provided",
+    "ops.op_builder": "DeepSpeed's compiled ops (op builders) are not provided",
+    "ops.aio": "NVMe offload (async I/O) is not supported",
+    "runtime.swap_tensor": "NVMe offload is not supported",
+    "runtime.zenflow": "ZenFlow is not supported",
+    "checkpoint.ds_to_universal": "universal checkpoints are not needed: evenzero checkpoints "
+                                  "load at any world size",
+    "checkpoint.universal_checkpoint": "universal checkpoints are not needed: evenzero "
+                                       "checkpoints load at any world size",
+    "autotuning": "the autotuner is not supported",
+    "compression": "DeepSpeed compression is not supported",
+    "elasticity": "elastic training was removed from DeepSpeed's config too",
+    "monitor": "DeepSpeed's monitors (tensorboard, wandb, csv) are not written",
+    "profiling": "DeepSpeed's flops profiler is not run; use torch.profiler",
+    "compile": "DeepCompile is not supported",
+    "nvme": "NVMe offload is not supported",
+    "launcher.multinode_runner": "multi-node launches through pdsh/ssh/MPI are not supported "
+                                 "by the deepspeed launcher here; run `evenzero run torchrun "
+                                 "--nnodes ...` on each node",
+}
+
+
+def missing_module(fullname: str) -> str:
+    """Why `deepspeed.<...>` named by `fullname` cannot be imported here."""
+    rest = fullname.partition(".")[2]
+    parts = rest.split(".")
+    for i in range(len(parts), 0, -1):
+        reason = REFUSED_MODULES.get(".".join(parts[:i]))
+        if reason is not None:
+            return f"No module named {fullname!r}: {reason} (evenzero stands in for DeepSpeed)"
+    return (f"No module named {fullname!r}: evenzero's stand-in for DeepSpeed 0.19.8 provides "
+            f"the ZeRO-1/2 training API (initialize, the engine, comm, accelerator, "
+            f"runtime.lr_schedules, ops.adam, checkpoint.utils, utils, checkpointing, "
+            f"launcher.runner), not this module")
+
+
+def unsupported(what: str, reason: str) -> NotImplementedError:
+    """The error a refused DeepSpeed call raises: it names the call and the reason."""
+    return NotImplementedError(f"{what}: {reason} (evenzero.deepspeed stands in for "
+                               f"DeepSpeed)")
