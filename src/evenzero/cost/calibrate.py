@@ -215,12 +215,18 @@ def measure_compute(device: torch.device | None = None, name: str = "measured") 
     """One rank's compute while every rank of the world computes the same (collective)."""
     device = device or _device(None)
     (t, k, m), dtype = MATMUL_SHAPE["cuda" if device.type == "cuda" else "cpu"]
-    a = torch.randn(t, k, device=device, dtype=dtype)
-    b = torch.randn(k, m, device=device, dtype=dtype)
-    src = torch.randn(COPY_NUMEL, device=device)
+    # Drawn from a private CPU generator: calibrating inside a job must leave the user's
+    # random streams, CPU and CUDA, as they were (issue 21).
+    gen = torch.Generator().manual_seed(0)
+
+    def draw(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=dtype).to(device)
+
+    a, b = draw(t, k, dtype=dtype), draw(k, m, dtype=dtype)
+    src = draw(COPY_NUMEL)
     dst = torch.empty_like(src)
-    param = torch.nn.Parameter(torch.randn(OPTIMIZER_NUMEL, device=device))
-    param.grad = torch.randn_like(param)
+    param = torch.nn.Parameter(draw(OPTIMIZER_NUMEL))
+    param.grad = draw(OPTIMIZER_NUMEL)
     adamw = torch.optim.AdamW([param], lr=1e-3)
     small_a, small_b = a[:, :256].contiguous(), b[:256, :256].contiguous()
     dist.barrier()

@@ -177,7 +177,8 @@ def _comm_slowdown(group, numel: int, dtype: torch.dtype) -> float:
     """How much slower small matmuls run while a collective is in flight (gloo's threads
     share the cores with compute), as `evenzero.cost.calibrate.measure_compute` does,
     with one message instead of a timed loop."""
-    a, b = torch.randn(64, 256), torch.randn(256, 256)
+    gen = torch.Generator().manual_seed(0)  # never the user's generator (issue 21)
+    a, b = torch.randn(64, 256, generator=gen), torch.randn(256, 256, generator=gen)
     alone = 8 / _fastest(lambda: [torch.mm(a, b) for _ in range(8)], torch.device("cpu"), 2)
     n = dist.get_world_size(group)
     message = torch.ones(-(-numel // n) * n, dtype=dtype)
