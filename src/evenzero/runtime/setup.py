@@ -224,6 +224,11 @@ def make_plan(spec: ModelSpec, world_size: int, config: ZeroConfig,
     if bucket_numel is not None:
         options = replace(options, bucket_numel=bucket_numel)
     plan = executable_plan(spec, world_size, config.strategy, options)
+    if note is None and not config.auto_bucket:  # notes[-1] always says where the size came from
+        count = len(plan.buckets)
+        note = (f"bucket_numel {config.bucket_numel:,} elements ({count} bucket"
+                f"{'' if count == 1 else 's'}): fixed by bucket_numel={config.bucket_numel}; "
+                f"nothing measured or refined")
     if note:
         plan = replace(plan, notes=(*plan.notes, note))
     if not plan.sharded:
