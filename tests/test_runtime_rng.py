@@ -67,7 +67,8 @@ def readme_loop(rank: int, world_size: int, system: str) -> tuple[list[dict], li
         losses.append(loss.item())
         states.append(rng_states())
     if system != "ddp":
-        assert opt.plan.notes and "refined at run time" in opt.plan.notes[-1], opt.plan.notes
+        note = opt.plan.notes[-1]
+        assert "refined at run time" in note and "(1 bucket)" in note, opt.plan.notes
         opt.close()
     return states, losses
 
