@@ -22,6 +22,9 @@ from pathlib import Path
 
 MAX_DIGITS = 30
 """Longest integer accepted on the command line (int() of a 5,000-digit string raises)."""
+MAX_LOCAL_RANKS = 64
+"""Most local ranks a command spawns (`repro`, `bench`, `calibrate`): each is a process
+with its own torch (~300 MB). Larger worlds run under a launcher (torchrun)."""
 
 
 class UsageError(Exception):
@@ -117,5 +120,5 @@ def write_failed(flag: str, path: Path, error: OSError) -> CommandError:
     return CommandError(f"{flag} {path}: could not write ({error.strerror or error})")
 
 
-__all__ = ["CommandError", "UsageError", "finite_float", "int_in", "output_path",
-           "write_failed"]
+__all__ = ["MAX_LOCAL_RANKS", "CommandError", "UsageError", "finite_float", "int_in",
+           "output_path", "write_failed"]

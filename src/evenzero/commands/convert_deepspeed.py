@@ -32,7 +32,12 @@ import torch.distributed as dist
 from torch import nn
 
 from evenzero.checkpoint.deepspeed import stage_deepspeed
-from evenzero.checkpoint.deepspeed_files import DeepSpeedFiles, read_deepspeed
+from evenzero.checkpoint.deepspeed_files import (
+    LATEST,
+    DeepSpeedFiles,
+    is_deepspeed_checkpoint,
+    read_deepspeed,
+)
 from evenzero.checkpoint.deepspeed_flat import FlatGroup
 from evenzero.checkpoint.deepspeed_optim import saved_decoupled
 from evenzero.checkpoint.format import MASTER, CheckpointError
@@ -262,6 +267,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    problem = source_problem(Path(args.source), args.tag)
+    if problem is not None:
+        print(f"evenzero convert-deepspeed: error: {problem}", file=sys.stderr)
+        return 2
     try:
         path = convert_deepspeed(args.source, args.out, args.tag, optimizer=args.optimizer)
     except (CheckpointError, OSError) as e:
@@ -271,4 +280,24 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["OfflineRun", "convert_deepspeed", "group_name"]
+def source_problem(source: Path, tag: str | None) -> str | None:
+    """What is wrong with DS_DIR in command-line terms, before the library reads it, or
+    None: a path that does not exist, and a save_dir without `latest` and no --tag."""
+    try:
+        if not source.exists():
+            return (f"DS_DIR {source}: does not exist; give the directory DeepSpeed's "
+                    f"save_checkpoint wrote (it holds 'latest' and one directory per tag)")
+        if not source.is_dir():
+            return f"DS_DIR {source}: is not a directory"
+        if tag is not None or (source / LATEST).is_file() or is_deepspeed_checkpoint(source):
+            return None
+        tags = sorted(p.name for p in source.iterdir() if p.is_dir())
+    except OSError as e:
+        return f"DS_DIR {source}: {e.strerror or type(e).__name__}"
+    found = (f"directories here: {', '.join(tags[:8])}{', ...' if len(tags) > 8 else ''}"
+             if tags else "it holds no directories; is it DeepSpeed's save_dir?")
+    return (f"DS_DIR {source}: no '{LATEST}' file naming the checkpoint tag; pass --tag TAG "
+            f"({found})")
+
+
+__all__ = ["OfflineRun", "convert_deepspeed", "group_name", "source_problem"]

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_LOCAL_RANKS = 64
-"""Most local ranks a job spawns: each is a process with its own torch (~300 MB)."""
+from evenzero.commands import MAX_LOCAL_RANKS
+
 MAX_STEPS = 100_000
 """Most steps per system a side-by-side job takes (results are kept per step)."""
 
