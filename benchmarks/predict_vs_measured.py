@@ -73,7 +73,7 @@ def case_worker(ctx, payload: dict) -> dict:
     dist.barrier()
     results = run_interleaved(
         [evenzero, ddp], model.batch,
-        InterleaveOptions(payload["steps"], payload["warmup"], ctx.device, time_forward=True),
+        InterleaveOptions(payload["steps"], payload["warmup"], ctx.device),
         on_step=lambda name, step: ctx.emit((name, step)))
     executed = evenzero.optimizer.plan  # re-planned on the measured arrival order
     spec = spec.with_arrival(executed.arrival, "measured")
