@@ -7,8 +7,8 @@ the job reports each phase, not only steps. Rank 0 sends the events below with
 
 On a terminal the events drive a rich progress bar whose total is set by `Planned`,
 i.e. by the systems that actually run (DeepSpeed may be skipped), with a spinner and the
-seconds spent in the current phase, so a long one (the first `deepspeed.initialize`
-takes about a minute on CPU) visibly runs. Anywhere else (a pipe, a CI log) there is no
+seconds spent in the current phase, so a long one (a first `deepspeed.initialize` can
+take a minute on CPU) visibly runs. Anywhere else (a pipe, a CI log) there is no
 bar and no cursor control: one plain line per phase and one per round of steps, each
 with the seconds elapsed, and a line every 15 s while a phase lasts
 (`evenzero.commands.heartbeat`).

@@ -167,8 +167,7 @@ def _deepspeed(ctx: Any, entry: SystemEntry, work: Workload):
     reason = deepspeed_unavailable()
     if reason is not None:
         return None, f"DeepSpeed is not importable ({reason}); {DEEPSPEED_INSTALL}"
-    ctx.emit(Status(f"building {entry.name}: deepspeed.initialize, about a minute the first "
-                    f"time on CPU"))
+    ctx.emit(Status(f"building {entry.name}: deepspeed.initialize (slow the first time)"))
     model = (work.deepspeed_model or work.model)()
     system = DeepSpeedSystem(entry.name, model, work.loss_fn, micro_batch=work.micro_batch,
                              multi_rank_allreduce=entry.multi_rank_allreduce, lr=work.lr,
