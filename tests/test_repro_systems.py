@@ -92,3 +92,30 @@ def test_verdict_says_what_was_compared_its_noise_and_where_the_full_benchmark_i
     buffer = io.StringIO()
     Console(file=buffer, width=400).print(clear[0])
     assert buffer.getvalue().rstrip().endswith(": met")
+
+
+def test_table_titles_and_captions_do_not_wrap():
+    from evenzero.repro.report import print_report
+
+    def system(name: str, calls: list[dict]) -> dict:
+        return {"name": name, "backward_collectives": calls, "step_collectives": [],
+                "median_step_ms": 10.0, "step_ms": [10.0, 11.0], "losses": [1.0, 0.9, 0.8],
+                "median_phase_ms": {"forward": 1.0, "backward": 4.0, "step": 5.0}}
+
+    reduce = {"op": "reduce", "group": "dense", "group_size": 8, "root": 3, "offset": 0,
+              "numel": 1000, "itemsize": 4}
+    report = {"world_size": 8, "backend": "gloo", "numel_per_rank": 2000,
+              "config": {"steps": 2, "warmup": 1}, "skipped": [],
+              "systems": [system("evenzero", []), system("deepspeed-0.6-schedule",
+                                                         [reduce, reduce | {"offset": 1000}]),
+                          system("floor", [])]}
+    buffer = io.StringIO()
+    print_report(report, Console(file=buffer, width=130, color_system=None))
+    out = buffer.getvalue()
+    for whole in ("Seed table: DeepSpeed 0.6's reduces in evenzero's runtime, by destination",
+                  "2 reduces, 2,000 of 2,000 elements",
+                  "Step time by phase, ms: slowest rank, median over the measured steps",
+                  "whole step = forward + backward + step on each rank, slowest rank per step; "
+                  "ddp is DDP's C++ reducer",
+                  "not shown: floor (does not update the model's weights)"):
+        assert whole in out, whole

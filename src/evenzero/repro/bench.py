@@ -130,7 +130,9 @@ def print_bench(report: dict[str, Any]) -> None:
     systems = report["systems"]
     ref = next((s for s in systems if s["name"] == "evenzero"), None)
     t = titled(f"GPT {report['numel']:,} params, {report['world_size']} ranks "
-               f"({report['backend']}): ms per phase, slowest rank, median")
+               f"({report['backend']}): ms per phase, slowest rank, median",
+               "whole step = forward + backward + step on each rank, slowest rank per step; "
+               "ddp is DDP's C++ reducer; collectives from one more, untimed step")
     cols = ("system", *PHASE_LABELS.values(), "whole step", "min-max", "x evenzero",
             "backward calls", "message sizes", "loss diff vs evenzero")
     for col in cols:
@@ -145,8 +147,6 @@ def print_bench(report: dict[str, Any]) -> None:
                   f"{s['median_step_ms']:.0f}", f"{min(s['step_ms']):.0f}-{max(s['step_ms']):.0f}",
                   f"{ratio:.2f}", str(len(calls)),
                   _clipped(condensed([c["numel"] for c in calls]), 60) or "-", diff)
-    t.caption = ("whole step = forward + backward + step on each rank, slowest rank per step; "
-                 "ddp is DDP's C++ reducer; collectives from one more, untimed step")
     console.print(t)
     for s in report.get("skipped", []):
         console.print(f"skipped {s['name']}: {s['reason']}", markup=False)

@@ -58,10 +58,11 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> bool
     return ok
 
 
-def titled(title: str) -> Table:
-    """A table at least as wide as its title, so that the title never wraps mid-phrase
-    (rich wraps a title to the table's width)."""
-    return Table(title=title, min_width=len(title) + 4)
+def titled(title: str, caption: str | None = None) -> Table:
+    """A table at least as wide as its title and caption, so that neither wraps
+    mid-phrase (rich wraps both to the table's width)."""
+    return Table(title=title, caption=caption,
+                 min_width=max(len(title), len(caption or "")) + 4)
 
 
 def condensed(values: list[int]) -> str:
@@ -101,7 +102,9 @@ def seed_rows(system: dict) -> list[tuple[int, int, int, str]]:
 
 def seed_table(system: dict, numel_per_rank: int) -> Table:
     rows = seed_rows(system)
-    t = titled("Seed table: DeepSpeed 0.6's reduces in evenzero's runtime, by destination")
+    total = sum(r[2] for r in rows)
+    t = titled("Seed table: DeepSpeed 0.6's reduces in evenzero's runtime, by destination",
+               f"{len(rows)} reduces, {total:,} of {numel_per_rank:,} elements")
     for col in ("#", "(dst, offset, numel)", "group", "issued"):
         t.add_column(col)
     order = sorted(range(len(rows)), key=lambda i: (rows[i][0], rows[i][1]))
@@ -110,13 +113,13 @@ def seed_table(system: dict, numel_per_rank: int) -> Table:
         dst, off, n, group = rows[i]
         mark = "  <- gate (missing in the report)" if off == gate_offset and group == "dense" else ""
         t.add_row(str(k), f"({dst},{off},{n}){mark}", group, f"#{i + 1}")
-    total = sum(r[2] for r in rows)
-    t.caption = f"{len(rows)} reduces, {total:,} of {numel_per_rank:,} elements"
     return t
 
 
 def time_table(systems: list[dict]) -> Table:
-    t = titled("Step time by phase, ms: slowest rank, median over the measured steps")
+    t = titled("Step time by phase, ms: slowest rank, median over the measured steps",
+               "whole step = forward + backward + step on each rank, slowest rank per step; "
+               "ddp is DDP's C++ reducer")
     cols = ["system", *PHASE_LABELS.values(), "whole step", "min-max", f"x {REFERENCE}"]
     for col in cols:
         t.add_column(col, justify="left" if col == "system" else "right")
@@ -128,23 +131,21 @@ def time_table(systems: list[dict]) -> Table:
         t.add_row(escape(s["name"]),
                   *(f"{phases[p]:.1f}" if p in phases else "-" for p in PHASE_LABELS),
                   f"{s['median_step_ms']:.1f}", f"{min(ms):.0f}-{max(ms):.0f}", f"{ratio:.2f}")
-    t.caption = ("whole step = forward + backward + step on each rank, slowest rank per step; "
-                 "ddp is DDP's C++ reducer")
     return t
 
 
 def loss_table(systems: list[dict]) -> Table:
     trained = [s for s in systems if trains(s["name"])]
-    t = titled("Loss per step (mean over ranks; warm-up steps included)")
+    left_out = [s["name"] for s in systems if not trains(s["name"])]
+    t = titled("Loss per step (mean over ranks; warm-up steps included)",
+               f"not shown: {', '.join(left_out)} (does not update the model's weights)"
+               if left_out else None)
     t.add_column("step", justify="right")
     for s in trained:
         t.add_column(escape(s["name"]), justify="right")
     steps = len(trained[0]["losses"]) if trained else 0
     for i in range(steps):
         t.add_row(str(i), *(f"{s['losses'][i]:.7f}" for s in trained))
-    left_out = [s["name"] for s in systems if not trains(s["name"])]
-    if left_out:
-        t.caption = f"not shown: {', '.join(left_out)} (does not update the model's weights)"
     return t
 
 
