@@ -184,8 +184,6 @@ class FloorSystem:
     losses are not comparable). What evenzero's step costs beyond this is its
     communication and bookkeeping."""
 
-    trains = False
-
     def __init__(self, model: nn.Module, loss_fn: LossFn, *, lr: float = 1e-3,
                  weight_decay: float = 0.01, expert_group_size: int = 1,
                  name: str = "floor") -> None:
