@@ -1,4 +1,4 @@
-"""Issue 9's targets, "defaults that win": evenzero with no tuning arguments against its peers.
+"""Issue 9's targets: evenzero with no tuning arguments against its peers.
 
 Every evenzero system here is `ZeroOptimizer(model, torch.optim.AdamW, lr=...,
 weight_decay=...)` and nothing else: bucket size "auto" (chosen at construction,
@@ -9,14 +9,14 @@ run. Cases and targets:
 
 | case | command alone | target |
 |---|---|---|
-| seed | `evenzero repro --bucket-numel 0 --systems evenzero,ddp` (8 ranks) | <= 1.0x DDP |
+| seed | `evenzero repro --bucket-numel 0 --systems evenzero,ddp,floor` (8 ranks) | <= 1.0x DDP |
 | llama | `python benchmarks/llama_dense.py` (~20M, 4 ranks) | <= 1.0x DDP, <= 0.85x FSDP2 |
 | gpt | `python benchmarks/gpt_dense.py --bucket-numel 0 --systems evenzero,ddp` (59M, 4) | <= 1.0x DDP |
 | host | `python benchmarks/host_overhead.py` (2,000 params, 4 ranks) | <= 1.2x DDP |
 
-The seed and gpt cases time what their commands time (backward+step for the seed
-case, forward+backward+step for gpt); DDP there reduces through the stock Python
-`allreduce_hook` so its collectives are captured. llama and host run DDP's C++ reducer.
+Every case times forward+backward+step (the slowest rank's median; the phases are printed
+too), and DDP is always its C++ reducer, with no comm hook: the DDP users run. The seed
+case also runs the comm-free floor (no reduction, AdamW on this rank's shard only).
 Run on an otherwise idle machine (about 10 minutes on 2 cores); `--tiny` runs every case
 at toy sizes in about a minute to check the scripts, and its ratios mean nothing.
 
@@ -42,26 +42,28 @@ TARGETS = {("seed", "ddp"): 1.0, ("llama", "ddp"): 1.0, ("llama", "fsdp2"): 0.85
            ("gpt", "ddp"): 1.0, ("host", "ddp"): 1.2}
 
 
-def seed_case(tiny: bool) -> dict[str, float]:
+def seed_case(tiny: bool) -> dict[str, dict[str, float]]:
     from evenzero.repro import ReproConfig, run
     from evenzero.repro.seedmodel import SeedModelConfig
 
     config = ReproConfig(world_size=4 if tiny else 8, steps=2 if tiny else 8, warmup=2,
                          model=SeedModelConfig(dim=64) if tiny else SeedModelConfig(),
-                         systems=("evenzero", "ddp"), bucket_numel=None)
+                         systems=("evenzero", "ddp", "floor"), bucket_numel=None)
     report = run(config)
-    return {s["name"]: s["median_step_ms"] for s in report["systems"]}
+    return {s["name"]: {"whole": s["median_step_ms"], **s["median_phase_ms"]}
+            for s in report["systems"]}
 
 
-def llama_case(tiny: bool) -> dict[str, float]:
+def llama_case(tiny: bool) -> dict[str, dict[str, float]]:
     import llama_dense
 
     report = llama_dense.run(4, llama_dense.TINY if tiny else llama_dense.LlamaConfig(),
                              llama_dense.SYSTEMS, 2 if tiny else 8, 3)
-    return {name: r["median_ms"] for name, r in report["systems"].items()}
+    return {name: {"whole": r["median_ms"], **r["phase_ms"]}
+            for name, r in report["systems"].items()}
 
 
-def gpt_case(tiny: bool) -> dict[str, float]:
+def gpt_case(tiny: bool) -> dict[str, dict[str, float]]:
     from evenzero.repro.bench import BenchConfig, bench_worker
     from evenzero.repro.gptmodel import GPT_SIZES
     from evenzero.repro.localrun import LaunchOptions, launch
@@ -71,10 +73,11 @@ def gpt_case(tiny: bool) -> dict[str, float]:
                          systems=("evenzero", "ddp"), bucket_numel=None, backend="gloo")
     report = launch(bench_worker, config, LaunchOptions(config.world_size, "gloo",
                                                         config.timeout_s))
-    return {s["name"]: s["median_step_ms"] for s in report["systems"]}
+    return {s["name"]: {"whole": s["median_step_ms"], **s["median_phase_ms"]}
+            for s in report["systems"]}
 
 
-def host_case(tiny: bool) -> dict[str, float]:
+def host_case(tiny: bool) -> dict[str, dict[str, float]]:
     import host_overhead
 
     from evenzero.repro.localrun import LaunchOptions, launch
@@ -83,11 +86,12 @@ def host_case(tiny: bool) -> dict[str, float]:
                "warmup": 3, "profile": "none"}
     report = launch(host_overhead.overhead_worker, payload, LaunchOptions(4, "gloo",
                                                                           timeout_s=1800))
-    return {name: r["median_ms"] for name, r in report["systems"].items()}
+    return {name: {"whole": r["median_ms"], **r["phase_ms"]}
+            for name, r in report["systems"].items()}
 
 
 RUNNERS = {"seed": seed_case, "llama": llama_case, "gpt": gpt_case, "host": host_case}
-ALONE = {"seed": "evenzero repro --bucket-numel 0 --systems evenzero,ddp  (8 ranks)",
+ALONE = {"seed": "evenzero repro --bucket-numel 0 --systems evenzero,ddp,floor  (8 ranks)",
          "llama": "python benchmarks/llama_dense.py  (4 ranks)",
          "gpt": "python benchmarks/gpt_dense.py --bucket-numel 0 --systems evenzero,ddp  (4 ranks)",
          "host": "python benchmarks/host_overhead.py  (4 ranks)"}
@@ -101,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="toy sizes in about a minute: checks the scripts, ratios mean nothing")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    out: dict[str, dict[str, float]] = {}
+    out: dict[str, dict[str, dict[str, float]]] = {}
     for case in args.cases:
         print(f"case {case} ...", flush=True)
         out[case] = RUNNERS[case](args.tiny)
@@ -111,12 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     for (case, peer), goal in TARGETS.items():
         if case not in out:
             continue
-        ez, other = out[case]["evenzero"], out[case][peer]
+        ez, other = out[case]["evenzero"]["whole"], out[case][peer]["whole"]
         ratio = ez / other
         met &= ratio <= goal
         print(f"| {case} | {ez:.1f} | {peer} | {other:.1f} | {ratio:.2f}x | <= {goal}x |")
     print(f"\nall targets met: {'yes' if met else 'no'}"
           f"{' (tiny sizes: meaningless)' if args.tiny else ''}")
+    print("\n| case | system | forward | backward | step + zero_grad | whole step |")
+    print("|---|---|---:|---:|---:|---:|")
+    for case, systems in out.items():
+        for name, ms in systems.items():
+            print(f"| {case} | {name} | {ms['forward']:.1f} | {ms['backward']:.1f} | "
+                  f"{ms['step']:.1f} | {ms['whole']:.1f} |")
     for case in out:
         print(f"{case} alone: {ALONE[case]}")
     print(f"command: python {' '.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])}")

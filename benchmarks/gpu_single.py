@@ -71,10 +71,15 @@ class PlainSystem:
         x, y = batch
         return gpt_loss(self.model(x), y)
 
-    def backward_and_step(self, loss) -> None:
+    def backward(self, loss) -> None:
         loss.backward()
+
+    def step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def capture_next_step(self) -> None:
+        """Nothing to capture: one process, no collectives."""
 
     def collectives(self):
         return []
@@ -144,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             skipped[name] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
     del base
     results = run_interleaved(systems, lambda step: gpt_batch(config, step, 0, 1),
-                              InterleaveOptions(args.steps, args.warmup, device, time_forward=True))
+                              InterleaveOptions(args.steps, args.warmup, device))
     report = _report(results, skipped, config, device, time.perf_counter() - started)
     _print(report)
     out = args.json or (Path(os.environ["OUT"]) / "gpu_single.json" if os.environ.get("OUT") else None)

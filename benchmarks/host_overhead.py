@@ -9,7 +9,8 @@ frameworks do per parameter: hooks, bucket copies, launches, the optimizer. Trai
 * `ddp`: torch DDP with its own C++ reducer (no Python comm hook) and torch AdamW,
 
 interleaved step by step on the same batches; forward+backward+step of the slowest rank,
-median. The ratio evenzero / DDP is the figure (issue 9's goal: at most 1.2x).
+median, and each phase's median. The ratio evenzero / DDP is the figure (issue 9's goal:
+at most 1.2x).
 
 `--profile cprofile` then runs a few more evenzero steps under cProfile on every rank
 and prints rank 0's functions by own time (cProfile inflates every Python call, so
@@ -67,12 +68,17 @@ def overhead_worker(ctx, payload: dict) -> dict:
     import torch.distributed as dist
 
     from evenzero.repro.baselines import DDPSystem
-    from evenzero.repro.sidebyside import EvenzeroSystem, InterleaveOptions, run_interleaved
+    from evenzero.repro.sidebyside import (
+        PHASES,
+        EvenzeroSystem,
+        InterleaveOptions,
+        run_interleaved,
+    )
 
     depth, dim, batch = payload["depth"], payload["dim"], payload["batch"]
     evenzero = EvenzeroSystem("evenzero", deep_mlp(depth, dim), mse, weight_decay=0.0)
     # evenzero's system passes only lr/weight_decay/stage/strategy: the defaults.
-    ddp = DDPSystem(deep_mlp(depth, dim), mse, weight_decay=0.0, comm_hook=False)
+    ddp = DDPSystem(deep_mlp(depth, dim), mse, weight_decay=0.0)
 
     def batches(step: int):
         gen = torch.Generator().manual_seed(1000 + step)
@@ -83,14 +89,14 @@ def overhead_worker(ctx, payload: dict) -> dict:
 
     dist.barrier()
     results = run_interleaved([evenzero, ddp], batches,
-                              InterleaveOptions(payload["steps"], payload["warmup"], ctx.device,
-                                                time_forward=True),
+                              InterleaveOptions(payload["steps"], payload["warmup"], ctx.device),
                               on_step=lambda name, step: ctx.emit((name, step)))
     out = {"world_size": ctx.world_size, "params": sum(1 for _ in evenzero.model.parameters()),
            "numel": sum(p.numel() for p in evenzero.model.parameters()),
            "buckets": len(evenzero.optimizer.plan.buckets),
            "plan_notes": list(evenzero.optimizer.plan.notes),
            "systems": {r.name: {"median_ms": r.median_step_ms, "step_ms": r.step_ms,
+                                "phase_ms": {p: r.median_phase_ms(p) for p in PHASES},
                                 "losses": r.losses} for r in results}}
     if payload["profile"] != "none":
         out["profile"] = _profile(evenzero, batches, payload, payload["profile"])
@@ -145,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     for note in r["plan_notes"]:
         print(f"  plan note: {note}")
     for name, s in r["systems"].items():
+        phases = "  ".join(f"{p} {ms:.2f}" for p, ms in s["phase_ms"].items())
         print(f"{name:9s} median {s['median_ms']:8.2f} ms  (min {min(s['step_ms']):.2f}, "
-              f"max {max(s['step_ms']):.2f})")
+              f"max {max(s['step_ms']):.2f});  {phases} ms")
     loss_diff = max(abs(a - b) / max(abs(b), 1e-12)
                     for a, b in zip(ez["losses"], ddp["losses"], strict=True))
     print(f"evenzero / ddp = {ez['median_ms'] / ddp['median_ms']:.2f}x  (goal <= 1.2x; "

@@ -6,12 +6,13 @@ trained at 4 local gloo ranks by
 
 * `evenzero`: `ZeroOptimizer(model, torch.optim.AdamW, lr=..., weight_decay=...)`, no
   tuning arguments (bucket size "auto", refined at run time);
-* `ddp`: torch DDP with its own C++ reducer, torch AdamW;
+* `ddp`: torch DDP with its own C++ reducer (no comm hook), torch AdamW;
 * `fsdp2`: `fully_shard(block, reshard_after_forward=False)` per block, then the root
   (ZeRO-2 style), torch AdamW;
 
 interleaved step by step on the same batches; forward+backward+step of the slowest rank
-(FSDP2 gathers in forward), median. Issue 9's targets: evenzero <= 1.0x DDP and
+(FSDP2 gathers in forward), median, and each phase's median (forward, backward, step with
+zero_grad). Issue 9's targets: evenzero <= 1.0x DDP and
 <= 0.85x FSDP2. Run it on an otherwise idle machine.
 
     python benchmarks/llama_dense.py [--world-size 4] [--steps 8] [--warmup 3]
@@ -155,7 +156,12 @@ def batch(c: LlamaConfig, step: int, rank: int, world_size: int):
 
 def llama_worker(ctx, payload: dict) -> dict:
     from evenzero.repro.baselines import DDPSystem, FSDP2System
-    from evenzero.repro.sidebyside import EvenzeroSystem, InterleaveOptions, run_interleaved
+    from evenzero.repro.sidebyside import (
+        PHASES,
+        EvenzeroSystem,
+        InterleaveOptions,
+        run_interleaved,
+    )
 
     c = LlamaConfig(**payload["config"])
     systems = []
@@ -164,12 +170,11 @@ def llama_worker(ctx, payload: dict) -> dict:
         if name == "evenzero":  # EvenzeroSystem passes lr, weight_decay, stage, strategy only
             systems.append(EvenzeroSystem("evenzero", model, loss_fn))
         elif name == "ddp":
-            systems.append(DDPSystem(model, loss_fn, comm_hook=False))
+            systems.append(DDPSystem(model, loss_fn))
         else:
             systems.append(FSDP2System(model, loss_fn, lambda m: list(m.blocks)))
     results = run_interleaved(systems, lambda step: batch(c, step, ctx.rank, ctx.world_size),
-                              InterleaveOptions(payload["steps"], payload["warmup"], ctx.device,
-                                                time_forward=True),
+                              InterleaveOptions(payload["steps"], payload["warmup"], ctx.device),
                               on_step=lambda name, step: ctx.emit((name, step)))
     notes = []
     for s in systems:
@@ -178,6 +183,7 @@ def llama_worker(ctx, payload: dict) -> dict:
     return {"world_size": ctx.world_size, "numel": c.numel(), "config": asdict(c),
             "evenzero_plan_notes": notes,
             "systems": {r.name: {"median_ms": r.median_step_ms, "step_ms": r.step_ms,
+                                 "phase_ms": {p: r.median_phase_ms(p) for p in PHASES},
                                  "losses": r.losses} for r in results}}
 
 
@@ -193,8 +199,9 @@ def summary(report: dict) -> list[str]:
     lines = [f"Llama-style {report['numel']:,} params, {report['world_size']} gloo ranks: "
              f"forward+backward+step, slowest rank, median"]
     for name, r in s.items():
+        phases = "  ".join(f"{p} {ms:7.1f}" for p, ms in r["phase_ms"].items())
         lines.append(f"  {name:9s} {r['median_ms']:9.1f} ms  (min {min(r['step_ms']):.1f}, "
-                     f"max {max(r['step_ms']):.1f})")
+                     f"max {max(r['step_ms']):.1f});  {phases} ms")
     if "evenzero" in s:
         ez = s["evenzero"]["median_ms"]
         ref = s["evenzero"]["losses"]

@@ -1,10 +1,11 @@
 """Seed model, 8 CPU ranks: forward+backward+step with and without `overlap_param_gather`.
 
-The side-by-side harness of `evenzero repro` times backward+step only, and the next
-system's barrier would wait out evenzero's pending parameter gathers outside the timed
+In the side-by-side harness of `evenzero repro` every system's step starts after a
+barrier, which would wait out evenzero's pending parameter gathers outside the timed
 region. So here each system runs blocks of K consecutive iterations (its asynchronous
 gather overlaps its own next forward), the systems are rotated per round, and each block
-ends with every pending gather waited for inside the timed region.
+ends with every pending gather waited for inside the timed region. DDP is its C++
+reducer.
 
     python benchmarks/overlap.py [--k 3] [--rounds 6] [--overlap 1 0]
 """

@@ -66,7 +66,7 @@ def case_worker(ctx, payload: dict) -> dict:
     from evenzero.calibration import measure
     from evenzero.cost.compute import estimate_profile
     from evenzero.cost.timeline import simulate
-    from evenzero.repro.sidebyside import EvenzeroSystem
+    from evenzero.repro.sidebyside import EvenzeroSystem, InterleaveOptions, run_interleaved
     from evenzero.strategies import PlanOptions, choose_bucket, plan
 
     sizes, repeats = CALIBRATION[payload["scale"]]
@@ -79,8 +79,12 @@ def case_worker(ctx, payload: dict) -> dict:
                               expert_groups=model.expert_groups())
     ddp = model.ddp()
     dist.barrier()
-    phases = run_phases([evenzero, ddp], model.batch, payload["steps"], payload["warmup"],
-                        ctx.device, on_step=lambda name, step: ctx.emit((name, step)))
+    results = run_interleaved(
+        [evenzero, ddp], model.batch,
+        InterleaveOptions(payload["steps"], payload["warmup"], ctx.device),
+        on_step=lambda name, step: ctx.emit((name, step)))
+    phases = {r.name: {**{ph: statistics.median(r.phase_ms[ph]) for ph in PHASES[:-1]},
+                       "total": statistics.median(r.step_ms)} for r in results}
     executed = evenzero.optimizer.plan  # re-planned on the measured arrival order
     if payload["evenzero_step"] == "main":
         executed = main_step(executed)
@@ -134,51 +138,6 @@ def _step_parts_ms(t) -> dict[str, float]:
         if s.lane == "compute" and s.start >= t.backward_end_s - 1e-12:
             out[s.kind] = out.get(s.kind, 0.0) + (s.end - s.start) * 1e3
     return out
-
-
-def run_phases(systems, batch, steps: int, warmup: int, device: str, on_step=None) -> dict:
-    """Each system's forward, backward and step (+ zero_grad) per step, interleaved
-    (the order rotates every step); per phase the slowest rank, median over the steps."""
-    import torch
-    import torch.distributed as dist
-
-    times = {s.name: [] for s in systems}
-    for step in range(warmup + steps):
-        x, y = batch(step)
-        x, y = x.to(device), y.to(device)
-        shift = step % len(systems)
-        for system in list(systems[shift:]) + list(systems[:shift]):
-            dist.barrier()
-            t0 = time.perf_counter()
-            loss = system.loss((x, y))
-            t1 = time.perf_counter()
-            _backward(system, loss)
-            t2 = time.perf_counter()
-            _step(system)
-            t3 = time.perf_counter()
-            if step >= warmup:
-                times[system.name].append([t1 - t0, t2 - t1, t3 - t2, t3 - t0])
-            if on_step is not None:
-                on_step(system.name, step)
-    out = {}
-    for name, rows in times.items():
-        slowest = torch.tensor(rows, dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        out[name] = {phase: statistics.median(slowest[:, i].tolist()) * 1e3
-                     for i, phase in enumerate(PHASES)}
-    return out
-
-
-def _backward(system, loss) -> None:
-    loss.backward()
-    finish = getattr(system, "finish_backward", None)  # DDP: the expert all-reduce
-    if finish is not None:
-        finish()
-
-
-def _step(system) -> None:
-    system.optimizer.step()
-    system.optimizer.zero_grad(set_to_none=True)
 
 
 class _Case:

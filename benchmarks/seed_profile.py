@@ -1,20 +1,29 @@
-"""Where the seed model's step time goes: backward vs optimizer step, and a torch.profiler
-table of rank 0's last step, for evenzero at several bucket sizes and for DDP.
+"""Where the seed model's step time goes: forward, backward and step per system, against
+DDP (its C++ reducer) and the comm-free floor, and a torch.profiler table of rank 0's step.
 
-Systems are interleaved step by step as in `evenzero repro`; times are the slowest
-rank's median. The profiler table is rank 0's own CPU time: time spent waiting inside a
-blocking collective shows as the self time of the op that called it.
+Systems, interleaved step by step in one job as in `evenzero repro`:
 
-    python benchmarks/seed_profile.py [--buckets 0 1048576 4194304] [--steps 10]
-                                      (0 = the runtime's default bucket size)
+* evenzero at each bucket size of `--buckets` (0 = the runtime's default, "auto"), no
+  other argument;
+* `ddp`: torch DDP, its C++ reducer (no comm hook), expert gradients all-reduced over
+  their expert-data-parallel group;
+* `floor`: no reduction and no gather, AdamW on this rank's shard only (1/W of the dense
+  elements, 1/2 of the expert elements): what any data-parallel step costs at least.
+
+Each phase is the slowest rank's time per step, median over the measured steps; the whole
+step is each rank's sum, slowest rank, median (so it need not equal the sum of the phase
+medians). The profiler tables are rank 0's own CPU time in one more step per system: time
+spent waiting inside a blocking collective shows as the self time of the op that waits.
+
+    python benchmarks/seed_profile.py [--world-size 8] [--buckets 0 1048576 4194304]
+                                      [--steps 10] [--no-tables] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import json
 import sys
-import time
 from pathlib import Path
 
 try:
@@ -24,69 +33,71 @@ except ImportError:
 
 from evenzero.repro.localrun import LaunchOptions, launch
 
+WARMUP = 2
+
 
 def profile_worker(ctx, payload: dict) -> dict:
-    import torch
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
     from evenzero.moe import expert_parallel_groups
-    from evenzero.repro.baselines import DDPSystem
     from evenzero.repro.seedmodel import SeedModel, SeedModelConfig, seed_batch, seed_loss
-    from evenzero.repro.sidebyside import EvenzeroSystem
+    from evenzero.repro.sidebyside import (
+        PHASES,
+        EvenzeroSystem,
+        InterleaveOptions,
+        run_interleaved,
+    )
+    from evenzero.repro.systems import Workload, build_systems
 
     m = SeedModelConfig()
     groups = expert_parallel_groups(m.ep_size)
-    systems = [EvenzeroSystem(f"evenzero bucket={b or 'default'}", SeedModel(m, groups), seed_loss,
-                              bucket_numel=b or None,
-                              expert_groups={m.expert_group_name: groups.edp_group})
+    experts = {m.expert_group_name: groups.edp_group}
+    systems = [EvenzeroSystem(f"evenzero bucket={b or 'auto'}", SeedModel(m, groups), seed_loss,
+                              bucket_numel=b or None, expert_groups=experts)
                for b in payload["buckets"]]
-    systems.append(DDPSystem(SeedModel(m, groups), seed_loss, expert_group=groups.edp_group))
-    phases = {s.name: ([], []) for s in systems}
+    baselines, _ = build_systems(ctx, ("ddp", "floor"),
+                                 Workload(lambda: SeedModel(m, groups), seed_loss,
+                                          m.tokens_per_rank, expert_groups=experts))
+    systems += baselines
+
+    def batch(step: int):
+        return seed_batch(m, step, ctx.rank, ctx.world_size)
+
+    results = run_interleaved(systems, batch, InterleaveOptions(payload["steps"], WARMUP),
+                              on_step=lambda name, step: ctx.emit((name, step)))
     tables = {}
-    total = payload["steps"] + 2
-    for step in range(total):
-        batch = seed_batch(m, step, ctx.rank, ctx.world_size)
-        shift = step % len(systems)
-        for s in systems[shift:] + systems[:shift]:
-            loss = s.loss(batch)
+    if payload["tables"]:
+        x, y = batch(WARMUP + payload["steps"])
+        for s in systems:
             dist.barrier()
-            prof = profile(activities=[ProfilerActivity.CPU]) if step == total - 1 else None
-            if prof is not None:
-                prof.__enter__()
-            t0 = time.perf_counter()
-            backward_s = _backward_and_step(s, loss, t0)
-            t2 = time.perf_counter()
-            if prof is not None:
-                prof.__exit__(None, None, None)
-                tables[s.name] = prof.key_averages().table(sort_by="self_cpu_time_total",
-                                                           row_limit=12)
-            if step >= 2:
-                phases[s.name][0].append(backward_s)
-                phases[s.name][1].append(t2 - t0 - backward_s)
-            ctx.emit((s.name, step))
-    out = {}
-    for name, (bwd, stp) in phases.items():
-        t = torch.tensor([statistics.median(bwd), statistics.median(stp)], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out[name] = {"backward_ms": 1e3 * t[0].item(), "step_ms": 1e3 * t[1].item()}
-    return {"phases": out, "tables": tables}
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                s.backward(s.loss((x, y)))
+                s.step()
+            tables[s.name] = prof.key_averages().table(sort_by="self_cpu_time_total",
+                                                       row_limit=12)
+    return {"world_size": ctx.world_size, "steps": payload["steps"],
+            "systems": {r.name: {**{p: r.median_phase_ms(p) for p in PHASES},
+                                 "whole": r.median_step_ms, "step_ms": r.step_ms,
+                                 "losses": r.losses} for r in results},
+            "tables": tables}
 
 
-def _backward_and_step(system, loss, t0: float) -> float:
-    """Run backward (with the gradient reduction) then the step; return backward seconds."""
-    if hasattr(system, "experts"):  # DDP: expert grads are reduced right after backward
-        loss.backward()
-        system.experts.finish()
-        backward_s = time.perf_counter() - t0
-        system.optimizer.step()
-        system.optimizer.zero_grad(set_to_none=True)
-        return backward_s
-    loss.backward()
-    backward_s = time.perf_counter() - t0
-    system.optimizer.step()
-    system.optimizer.zero_grad()
-    return backward_s
+def markdown(report: dict) -> list[str]:
+    systems = report["systems"]
+    ddp, floor = systems["ddp"]["whole"], systems["floor"]["whole"]
+    floor_step = systems["floor"]["step"]
+    lines = [f"Seed model, {report['world_size']} gloo ranks, ms, slowest rank, median of "
+             f"{report['steps']} steps",
+             "",
+             "| system | forward | backward | step + zero_grad | whole step | x DDP | x floor "
+             "| step x floor's step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in systems.items():
+        lines.append(f"| {name} | {r['forward']:.1f} | {r['backward']:.1f} | {r['step']:.1f} | "
+                     f"{r['whole']:.1f} | {r['whole'] / ddp:.2f} | {r['whole'] / floor:.2f} | "
+                     f"{r['step'] / floor_step:.2f} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,15 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--buckets", type=int, nargs="+", default=[0, 2**20, 2**22])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--no-tables", action="store_true", help="skip the profiler tables")
+    p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    result = launch(profile_worker, {"buckets": args.buckets, "steps": args.steps},
-                    LaunchOptions(args.world_size, "gloo", timeout_s=1200))
-    for name, ph in result["phases"].items():
-        print(f"{name:28s} backward {ph['backward_ms']:7.1f} ms   step {ph['step_ms']:7.1f} ms   "
-              f"total {ph['backward_ms'] + ph['step_ms']:7.1f} ms")
-    if not args.no_tables:
-        for name, table in result["tables"].items():
-            print(f"\n===== rank 0, last step: {name}\n{table}")
+    result = launch(profile_worker, {"buckets": args.buckets, "steps": args.steps,
+                                     "tables": not args.no_tables},
+                    LaunchOptions(args.world_size, "gloo", timeout_s=1800))
+    print("\n".join(markdown(result)))
+    for name, table in result["tables"].items():
+        print(f"\n===== rank 0, one more step: {name}\n{table}")
+    print(f"command: python {' '.join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])])}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.json}")
     return 0
 
 

@@ -96,7 +96,8 @@ def test_loss_agreement_flags_a_diverging_exact_system():
                {"name": "deepspeed", "losses": [1.0, 0.95, 0.9]}]
     ok, lines = loss_agreement(systems)
     assert not ok
-    assert "FAIL" in lines[0] and "informational" in lines[1]
+    assert "from 1.0000 to 0.8000" in lines[0] and "falling" in lines[0]
+    assert "FAIL" in lines[1] and "informational" in lines[2]
     systems[1]["losses"] = [1.0, 0.9, 0.8 * (1 + 3e-6)]
     assert loss_agreement(systems)[0]
     assert max_rel_diff([2.0], [1.0]) == 1.0

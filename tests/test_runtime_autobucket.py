@@ -126,6 +126,9 @@ def check_explicit_size_wins(rank, world):
         autotune.decide = real
     assert_same_params(model, ref)
     assert opt.plan.bucket_numel == 100 and not any("auto" in n for n in opt.plan.notes)
+    # The README's `opt.plan.notes[-1]` says where the size came from, a number too.
+    assert opt.plan.notes[-1].startswith("bucket_numel 100 elements (") and \
+        "fixed by bucket_numel=100" in opt.plan.notes[-1]
 
 
 def _train_step(model, opt, step, rank, world):

@@ -230,9 +230,15 @@ def measure_compute(device: torch.device | None = None, name: str = "measured") 
     (collective: every rank calls it)."""
     device = device or _device(None)
     (t, k, m), dtype = MATMUL_SHAPE["cuda" if device.type == "cuda" else "cpu"]
-    a = torch.randn(t, k, device=device, dtype=dtype)
-    b = torch.randn(k, m, device=device, dtype=dtype)
-    src = torch.randn(COPY_NUMEL, device=device)
+    # Drawn from a private CPU generator: calibrating inside a job must leave the user's
+    # random streams, CPU and CUDA, as they were (issue 21).
+    gen = torch.Generator().manual_seed(0)
+
+    def draw(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=dtype).to(device)
+
+    a, b = draw(t, k, dtype=dtype), draw(k, m, dtype=dtype)
+    src = draw(COPY_NUMEL)
     dst = torch.empty_like(src)
     small_a, small_b = a[:, :256].contiguous(), b[:256, :256].contiguous()
     dist.barrier()
@@ -307,13 +313,19 @@ def measure_step_costs(device: torch.device) -> dict[str, float]:
     per-tensor Python loop); "per_param": seconds per parameter of a Python visit that
     reads its gradient and data pointers (a step's own per-parameter checks)."""
     out: dict[str, float] = {}
+    # A private generator: the user's random streams stay as they were (issue 21).
+    gen = torch.Generator().manual_seed(0)
+
+    def draw(numel: int) -> torch.Tensor:
+        return torch.randn(numel, generator=gen).to(device)
+
     for impl in OPTIMIZER_IMPLS:
         flags = {"foreach": impl == "foreach", "fused": impl == "fused"}
         for key, numel in ((impl, OPTIMIZER_NUMEL), (f"{impl}_small", SMALL_TENSOR_NUMEL)):
-            params = [torch.nn.Parameter(torch.randn(numel, device=device))
+            params = [torch.nn.Parameter(draw(numel))
                       for _ in range(OPTIMIZER_NUMEL // numel)]
             for q in params:
-                q.grad = torch.randn_like(q)
+                q.grad = draw(q.numel())
             try:
                 adamw = torch.optim.AdamW(params, lr=1e-3, **flags)
                 adamw.step()
@@ -321,14 +333,14 @@ def measure_step_costs(device: torch.device) -> dict[str, float]:
                 break
             out[key] = 1 / _rate(adamw.step, device)
             del adamw, params
-    grad = torch.randn(OPTIMIZER_NUMEL, device=device)
+    grad = draw(OPTIMIZER_NUMEL)
     chunks = list(grad.split(NORM_CHUNK))
     out["norm_fp32"] = 1 / _rate(lambda: torch.linalg.vector_norm(
         torch.stack(torch._foreach_norm(chunks)).double()), device)
     out["norm_fp64"] = 1 / _rate(lambda: torch.linalg.vector_norm(grad.double()), device)
-    small = [torch.nn.Parameter(torch.randn(1, device=device)) for _ in range(SMALL_PARAMS)]
+    small = [torch.nn.Parameter(draw(1)) for _ in range(SMALL_PARAMS)]
     for q in small:
-        q.grad = torch.randn_like(q)
+        q.grad = draw(q.numel())
     loop = torch.optim.AdamW(small, lr=1e-3, foreach=False)
     out["per_tensor"] = 1 / _rate(loop.step, device) / SMALL_PARAMS
     seen: dict[int, int] = {}

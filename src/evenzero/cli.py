@@ -1,4 +1,4 @@
-"""The `evenzero` command: plan, calibrate, repro, bench, convert-deepspeed, run.
+"""The `evenzero` command: one subcommand per entry of COMMANDS (`evenzero --help` lists them).
 
     evenzero plan MODEL --world-size W ...   the collective schedule under each strategy
     evenzero calibrate --world-size W ...    measure alpha and bandwidth per collective
@@ -70,9 +70,15 @@ def input_errors() -> tuple[type[Exception], ...]:
     return (UsageError, SpecError, PlanError, CostModelError)
 
 
+def help_text() -> str:
+    """The top-level help: its first line names every subcommand, from COMMANDS."""
+    rest = (__doc__ or "").split("\n", 1)[1]
+    return f"The `evenzero` command: {', '.join(COMMANDS)}.\n{rest}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser: only for `evenzero --help` and unknown commands."""
-    parser = _Parser(prog="evenzero", description=__doc__,
+    parser = _Parser(prog="evenzero", description=help_text(),
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser,
                                 metavar="COMMAND")

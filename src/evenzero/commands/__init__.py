@@ -23,7 +23,8 @@ from pathlib import Path
 MAX_DIGITS = 30
 """Longest integer accepted on the command line (int() of a 5,000-digit string raises)."""
 MAX_LOCAL_RANKS = 64
-"""Most local ranks a command spawns: each is a process with its own torch (~300 MB)."""
+"""Most local ranks a command spawns (`repro`, `bench`, `calibrate`): each is a process
+with its own torch (~300 MB). Larger worlds run under a launcher (torchrun)."""
 
 
 class UsageError(Exception):

@@ -21,6 +21,7 @@ from evenzero.commands import (
     output_path,
     write_failed,
 )
+from evenzero.commands.heartbeat import Heartbeat
 from evenzero.cost.model import CostModel
 from evenzero.plan import OPTIMIZER_IMPLS
 
@@ -55,7 +56,12 @@ def main(args: argparse.Namespace) -> int:
         if args.world_size is not None and args.world_size != launched:
             raise UsageError(f"--world-size {args.world_size} disagrees with WORLD_SIZE="
                              f"{launched} from the launcher; drop --world-size")
-        result = calibrate.run_from_env(sizes, args.repeats)
+        if os.environ["RANK"] == "0":
+            with Heartbeat(f"calibrating {launched} ranks: "
+                           f"{_what(launched, sizes, args.repeats)}"):
+                result = calibrate.run_from_env(sizes, args.repeats)
+        else:
+            result = calibrate.run_from_env(sizes, args.repeats)
         if result is None:  # only rank 0 reports
             return 0
     else:
@@ -65,7 +71,9 @@ def main(args: argparse.Namespace) -> int:
         # the failure itself is reported below, in one line.
         logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
         try:
-            result = calibrate.run_local(args.world_size, sizes, args.repeats)
+            with Heartbeat(f"calibrating {args.world_size} local gloo ranks (each starts "
+                           f"its own torch): {_what(args.world_size, sizes, args.repeats)}"):
+                result = calibrate.run_local(args.world_size, sizes, args.repeats)
         except calibrate.CalibrationError as e:
             raise CommandError(str(e)) from None
         except Exception as e:  # a worker failed: show its last line, not a spawn traceback
@@ -81,6 +89,17 @@ def main(args: argparse.Namespace) -> int:
         print(f"wrote {json_path}; use it with: evenzero plan MODEL --world-size W "
               f"--cost {json_path}")
     return 0
+
+
+def _what(world_size: int, sizes, repeats: int) -> str:
+    """The measurement in one line, so that a wait of a minute says what it waits for."""
+    from evenzero.calibration import default_group_sizes
+    from evenzero.cost import OPS
+
+    groups = default_group_sizes(world_size)
+    return (f"measuring {len(OPS)} collectives x {len(sizes)} sizes x {repeats} calls on "
+            f"group size(s) {', '.join(map(str, groups))}, then this host's compute "
+            f"(matmul, copy, AdamW step)")
 
 
 def _launcher_world_size() -> int:

@@ -20,7 +20,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from evenzero.commands import UsageError, finite_float, int_in, output_path, write_failed
+from evenzero.commands import (
+    MAX_LOCAL_RANKS,
+    UsageError,
+    finite_float,
+    int_in,
+    output_path,
+    write_failed,
+)
 from evenzero.cost import CostModel, CostModelError, predict
 from evenzero.cost.presets import PRESETS as COST_PRESETS
 from evenzero.cost.presets import default_cost_preset, load_cost_model
@@ -88,6 +95,8 @@ def main(args: argparse.Namespace) -> int:
     options = PlanOptions(bucket_numel=args.bucket_numel, round_robin=args.round_robin,
                           cost_model=model)
     warning = model.extrapolation_warning(args.world_size)
+    if warning:
+        warning = f"{warning}; {calibrate_hint(args.world_size)}"
     results = []
     for name in names:
         p = plan(spec, args.world_size, name, options)
@@ -177,6 +186,19 @@ def _plot_path(flag: str, raw: str) -> Path:
         raise UsageError(f"{flag} {path}: unknown image format {path.suffix!r}; use one of "
                          f"{', '.join('.' + f for f in sorted(formats))}")
     return path
+
+
+def calibrate_hint(world_size: int) -> str:
+    """The command that measures a cost model for `world_size` ranks, one that runs:
+    `evenzero calibrate` spawns at most MAX_LOCAL_RANKS local processes."""
+    if world_size <= MAX_LOCAL_RANKS:
+        return (f"for numbers measured at this size run `evenzero calibrate --world-size "
+                f"{world_size} --json FILE`")
+    return (f"`evenzero calibrate` spawns at most {MAX_LOCAL_RANKS} local ranks: measure "
+            f"{world_size} ranks under your launcher (`torchrun ... -m evenzero.cli calibrate "
+            f"--json FILE` on every node), or calibrate the largest local size "
+            f"(`evenzero calibrate --world-size {MAX_LOCAL_RANKS} --json FILE`) and the "
+            f"model is extrapolated from it to {world_size}")
 
 
 def load_model(name_or_path: str) -> ModelSpec:

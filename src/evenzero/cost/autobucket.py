@@ -241,7 +241,8 @@ def _note(chosen: Candidate, entries, budget: int, cost: CostModel, profile: Com
     memory = (f"in-flight buffers {_mib(chosen.inflight_bytes)} of a {_mib(budget)} budget"
               if fits else f"no size fits the {_mib(budget)} budget: least memory taken, "
                            f"{_mib(chosen.inflight_bytes)}")
-    return (f"bucket_numel auto: {chosen.numel:,} elements ({chosen.buckets} buckets), "
+    return (f"bucket_numel auto: {chosen.numel:,} elements ({chosen.buckets} bucket"
+            f"{'' if chosen.buckets == 1 else 's'}), "
             f"predicted step {chosen.step_s * 1e3:,.2f} ms{versus}; {memory}; cost model "
             f"{cost.name}, compute: {profile.source}")
 

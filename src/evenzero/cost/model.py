@@ -189,9 +189,10 @@ class CostModel:
         if not self.fitted_ranks or world_size in self.fitted_ranks:
             return None
         at = " and ".join(str(n) for n in sorted(self.fitted_ranks))
+        # What to run instead is the command layer's to say (`evenzero plan`): which
+        # world sizes can be calibrated depends on where it runs.
         return (f"cost model {self.name} was fitted at {at} ranks, not {world_size}: its "
-                f"latencies are extrapolated; run `evenzero calibrate --world-size "
-                f"{world_size}` for numbers measured at this size")
+                f"latencies are extrapolated")
 
     def op(self, name: str) -> OpCost:
         if name not in OPS:

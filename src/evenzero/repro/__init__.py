@@ -1,17 +1,25 @@
 """`evenzero repro`: the DeepSpeed #3151 seed case, trained for real, side by side.
 
 One local job of W ranks builds the seed model (fc1, fc2, a 16-expert top-1 MoE at
-expert-parallel size 4) and trains it with, interleaved step by step:
+expert-parallel size 4) and trains it with, interleaved step by step (the systems come
+from `evenzero.repro.systems`, the table `evenzero bench` uses too):
 
 1. `evenzero`: evenzero ZeRO-2, one equal reduce-scatter per bucket;
 2. `deepspeed-0.6-schedule`: DeepSpeed 0.6's reduce schedule executed by evenzero's
    runtime (the 13 uneven reduces of the report, plus the gate's, which our hooks keep);
-3. `ddp`: torch DDP on the dense params, expert grads all-reduced over the EDP group;
+3. `ddp`: torch DDP (its C++ reducer) on the dense params, expert grads all-reduced over
+   the EDP group;
 4. `deepspeed` and `deepspeed-reduce-mode`: real DeepSpeed ZeRO-2, default config and
-   `use_multi_rank_bucket_allreduce: false`, when DeepSpeed is importable.
+   `use_multi_rank_bucket_allreduce: false`, when DeepSpeed is importable;
 
-It prints the backward collectives each system actually issued, the seed table, the
-backward+step time per system, and the losses (1-3 must agree to 1e-5 relative).
+and on request `floor` (`--systems ...,floor`): no communication, AdamW on this rank's
+shard only. The data is a fixed teacher the model can fit (`seedmodel.seed_batch`), so
+the losses fall, and equal losses across systems are the evidence of a correct step.
+
+It prints the backward collectives each system issued (captured in one more, untimed
+step), the seed table, each system's forward, backward and step times, the losses
+(1-3 must agree to 1e-5 relative) and the targets against DDP and DeepSpeed, with the
+spread of the per-step ratio.
 """
 
 from __future__ import annotations
@@ -19,23 +27,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 from evenzero.repro.localrun import add_launch_arguments, parse_launch_arguments
 from evenzero.repro.seedmodel import SeedModelConfig
+from evenzero.repro.systems import system_names
 
-SYSTEMS = ("evenzero", "deepspeed-0.6-schedule", "ddp", "deepspeed", "deepspeed-reduce-mode")
-EXACT_SYSTEMS = ("evenzero", "deepspeed-0.6-schedule", "ddp")
-"""Systems whose math is identical (same MoE module, same AdamW), so losses must agree."""
-LOSS_RTOL = 1e-5
+SYSTEMS = system_names(experts=True)
+"""What `--systems` accepts: every system that runs the seed model's expert-parallel MoE."""
+DEFAULT_SYSTEMS = ("evenzero", "deepspeed-0.6-schedule", "ddp", "deepspeed",
+                   "deepspeed-reduce-mode")
 DEFAULT_BUCKET_NUMEL = 2**20
-"""1M elements (4 MiB): five buckets for the seed model, so reductions overlap backward.
-The runtime's former fixed default (>= 32M elements, sized for NCCL) made one bucket
-per group of this 10M-parameter model, nothing overlapped, and on 8 CPU ranks a step
-took 973 ms instead of 549 ms (torch.profiler figures in BENCHMARKS.md).
-`--bucket-numel 0` runs the runtime's default, "auto" (issue 9's target case)."""
+"""1M elements (4 MiB): ten buckets for the seed model on 8 ranks, so reductions overlap
+backward from its first step (the report's comparison at a fixed size). `--bucket-numel
+0` runs the runtime's default, "auto": chosen at construction, refined after the first
+two backwards (BENCHMARKS.md, "Defaults against DDP and FSDP2")."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,7 @@ class ReproConfig:
     """Untimed steps per system before the measured ones."""
     model: SeedModelConfig = field(default_factory=SeedModelConfig)
     """Seed model shape (the report's at the defaults)."""
-    systems: tuple[str, ...] = SYSTEMS
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS
     """Which systems to train, by name."""
     bucket_numel: int | None = DEFAULT_BUCKET_NUMEL
     """evenzero bucket size in elements; None = the runtime's default."""
@@ -65,8 +72,8 @@ class ReproConfig:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from evenzero.commands import finite_float, int_in
 
-    add_launch_arguments(parser, world_size=8, steps=8, systems=SYSTEMS, default_systems=SYSTEMS,
-                         bucket_numel=DEFAULT_BUCKET_NUMEL)
+    add_launch_arguments(parser, world_size=8, steps=8, systems=SYSTEMS,
+                         default_systems=DEFAULT_SYSTEMS, bucket_numel=DEFAULT_BUCKET_NUMEL)
     parser.add_argument("--json", help="write collectives, times and losses here")
     parser.add_argument("--plot", help="write message sizes and step times as a PNG "
                                        "(.png added if no extension)")
@@ -135,14 +142,16 @@ def run(config: ReproConfig, progress: bool = False) -> dict[str, Any]:
 
 def repro_worker(ctx, config: ReproConfig) -> dict[str, Any]:
     """Runs on every rank; rank 0's return value is the report."""
-    import torch
     import torch.distributed as dist
 
     from evenzero.moe import expert_parallel_groups
     from evenzero.plan_report import collective_record as record
     from evenzero.repro.capture import CaptureOptions
-    from evenzero.repro.progress import Planned, StepDone
-    from evenzero.repro.sidebyside import InterleaveOptions, run_interleaved
+    from evenzero.repro.deepspeed_runner import check_expert_layout
+    from evenzero.repro.progress import Planned, Status, StepDone
+    from evenzero.repro.seedmodel import SeedModel, seed_batch, seed_loss
+    from evenzero.repro.sidebyside import InterleaveOptions, capture_collectives, run_interleaved
+    from evenzero.repro.systems import Workload, build_systems
 
     m = config.model
     groups = expert_parallel_groups(m.ep_size)
@@ -151,18 +160,30 @@ def repro_worker(ctx, config: ReproConfig) -> dict[str, Any]:
         group_labels={world: "dense",
                       frozenset(dist.get_process_group_ranks(groups.edp_group)): m.expert_group_name},
         exclude_all_to_all_ranks=frozenset(dist.get_process_group_ranks(groups.ep_group)))
-    systems, skipped = _build_systems(ctx, config, groups, capture)
+
+    def deepspeed_model():
+        from evenzero.repro.deepspeed_runner import DeepSpeedSeedModel
+
+        return DeepSpeedSeedModel(m, groups.ep_rank).to(ctx.device)
+
+    work = Workload(lambda: SeedModel(m, groups).to(ctx.device), seed_loss, m.tokens_per_rank,
+                    lr=config.lr, weight_decay=config.weight_decay,
+                    bucket_numel=config.bucket_numel,
+                    expert_groups={m.expert_group_name: groups.edp_group},
+                    deepspeed_model=deepspeed_model,
+                    after_deepspeed=lambda: check_expert_layout(ctx.world_size, m.ep_size),
+                    capture=capture)
+    systems, skipped = build_systems(ctx, config.systems, work)
     ctx.emit(Planned(tuple(s.name for s in systems), config.steps, config.warmup))
-    torch.manual_seed(m.seed)
 
     def batch(step: int):
-        from evenzero.repro.seedmodel import seed_batch
-
         return seed_batch(m, step, ctx.rank, ctx.world_size)
 
     results = run_interleaved(systems, batch,
                               InterleaveOptions(config.steps, config.warmup, ctx.device),
                               on_step=lambda name, step: ctx.emit(StepDone(name, step)))
+    ctx.emit(Status("capturing each system's collectives in one more, untimed step"))
+    captured = capture_collectives(systems, batch(config.warmup + config.steps), ctx.device)
     # What evenzero's runtime planned, to check that it issued exactly that.
     planned = {s.name: [record(c) for c in s.optimizer.plan.backward()]
                for s in systems if hasattr(s, "optimizer") and hasattr(s.optimizer, "plan")}
@@ -171,70 +192,23 @@ def repro_worker(ctx, config: ReproConfig) -> dict[str, Any]:
         "backend": ctx.backend,
         "config": dataclasses.asdict(config),
         "numel_per_rank": m.numel_per_rank(),
-        "systems": [{"name": r.name,
-                     "backward_collectives": [record(c) for c in r.backward_collectives()],
-                     "step_collectives": [record(c) for c in r.step_collectives()],
-                     "median_step_ms": r.median_step_ms,
-                     "step_ms": r.step_ms,
-                     "losses": r.losses,
-                     **({"planned_backward": planned[r.name]} if r.name in planned else {})}
+        "systems": [system_record(r, captured[r.name], record)
+                    | ({"planned_backward": planned[r.name]} if r.name in planned else {})
                     for r in results],
         "skipped": skipped,
     }
 
 
-def _build_systems(ctx, config: ReproConfig, groups, capture) -> tuple[list, list[dict]]:
-    from evenzero.repro.baselines import DDPSystem
-    from evenzero.repro.progress import Status
-    from evenzero.repro.seedmodel import SeedModel, seed_loss
-    from evenzero.repro.sidebyside import EvenzeroSystem
+def system_record(result, collectives, record) -> dict[str, Any]:
+    """One system's part of a report: times (whole step and phases), losses, collectives."""
+    from evenzero.plan import BACKWARD, STEP
+    from evenzero.repro.sidebyside import PHASES
 
-    m = config.model
-    systems: list = []
-    skipped: list[dict] = []
-    for name in config.systems:
-        ctx.emit(Status(f"building {name}"))
-        if name in ("evenzero", "deepspeed-0.6-schedule"):
-            strategy = "evenzero" if name == "evenzero" else "deepspeed-0.6"
-            systems.append(EvenzeroSystem(
-                name, SeedModel(m, groups).to(ctx.device), seed_loss, strategy=strategy,
-                lr=config.lr, weight_decay=config.weight_decay,
-                bucket_numel=config.bucket_numel if name == "evenzero" else None,
-                expert_groups={m.expert_group_name: groups.edp_group}))
-        elif name == "ddp":
-            systems.append(DDPSystem(SeedModel(m, groups).to(ctx.device), seed_loss,
-                                     lr=config.lr, weight_decay=config.weight_decay,
-                                     expert_group=groups.edp_group, capture=capture))
-        else:
-            system, reason = _deepspeed_system(ctx, config, name, groups, capture)
-            if system is None:
-                skipped.append({"name": name, "reason": reason})
-            else:
-                systems.append(system)
-    return systems, skipped
-
-
-def _deepspeed_system(ctx, config: ReproConfig, name: str, groups, capture):
-    from evenzero.repro.deepspeed_runner import (
-        DEEPSPEED_INSTALL,
-        DeepSpeedSeedModel,
-        DeepSpeedSystem,
-        check_expert_layout,
-        deepspeed_unavailable,
-    )
-    from evenzero.repro.progress import Status
-    from evenzero.repro.seedmodel import seed_loss
-
-    if "deepspeed" not in sys.modules:
-        ctx.emit(Status("importing DeepSpeed"))
-    reason = deepspeed_unavailable()
-    if reason is not None:
-        return None, f"DeepSpeed is not importable ({reason}); {DEEPSPEED_INSTALL}"
-    ctx.emit(Status(f"building {name} (deepspeed.initialize)"))
-    m = config.model
-    system = DeepSpeedSystem(name, DeepSpeedSeedModel(m, groups.ep_rank).to(ctx.device), seed_loss,
-                             micro_batch=m.tokens_per_rank,
-                             multi_rank_allreduce=(name == "deepspeed"),
-                             lr=config.lr, weight_decay=config.weight_decay, capture=capture)
-    check_expert_layout(ctx.world_size, m.ep_size)
-    return system, ""
+    return {"name": result.name,
+            "backward_collectives": [record(c) for c in collectives if c.phase == BACKWARD],
+            "step_collectives": [record(c) for c in collectives if c.phase == STEP],
+            "median_step_ms": result.median_step_ms,
+            "step_ms": result.step_ms,
+            "phase_ms": result.phase_ms,
+            "median_phase_ms": {p: result.median_phase_ms(p) for p in PHASES},
+            "losses": result.losses}

@@ -1,4 +1,5 @@
-"""PyTorch baselines for side-by-side runs: DDP (MoE-aware) and FSDP2 in ZeRO-2 mode.
+"""PyTorch baselines for side-by-side runs: DDP (MoE-aware), FSDP2 in ZeRO-2 mode, and the
+comm-free floor.
 
 DDP and MoE: DDP all-reduces every gradient over the whole world, which is wrong for
 expert parameters (each expert exists only on its expert-data-parallel ranks). So DDP is
@@ -10,13 +11,19 @@ E ranks of its expert-parallel group (all_to_all's backward brings them back), s
 EDP sum covers all W ranks' losses, and the mean over W ranks is what DDP computes for
 the dense params. This is what DeepSpeed >= 0.15.4 divides by too.
 
-Both baselines are captured with `CollectiveCapture`; DDP runs with the stock
-`allreduce_hook` (DDP's own algorithm expressed in Python) so its calls are visible.
+DDP runs its own C++ reducer, the DDP users run. Its calls are invisible to
+`CollectiveCapture` (the reducer calls the process group directly), so for the one
+untimed step whose collectives are shown, `capture_next_step` registers the stock
+`allreduce_hook` (DDP's own algorithm expressed in Python, on the same buckets) first.
+
+`FloorSystem` is the comm-free floor of the benchmarks: forward, backward, and an AdamW
+step over this rank's 1/N share of the elements, nothing reduced, nothing gathered.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -70,13 +77,14 @@ class ExpertGradReducer:
 
 
 class CapturedBaseline:
-    """A plain-PyTorch system whose collectives are captured by wrapping torch.distributed:
-    `forward` runs the (wrapped) model, the optimizer steps inside the capture's step phase."""
+    """A plain-PyTorch system whose collectives can be captured by wrapping torch.distributed:
+    `forward` runs the (wrapped) model, the optimizer steps in the capture's step phase."""
 
     def __init__(self, name: str, loss_fn: LossFn, forward: nn.Module,
                  optimizer: torch.optim.Optimizer, capture: CaptureOptions | None) -> None:
         self.name, self.loss_fn, self.forward, self.optimizer = name, loss_fn, forward, optimizer
         self.capture = CollectiveCapture(capture or CaptureOptions())
+        self._capturing = False
         self._last: list[Collective] = []
 
     def loss(self, batch: Batch) -> torch.Tensor:
@@ -86,31 +94,38 @@ class CapturedBaseline:
     def finish_backward(self) -> None:
         """Work after `loss.backward()` that belongs to the backward phase."""
 
-    def backward_and_step(self, loss: torch.Tensor) -> None:
-        with self.capture.active(BACKWARD):
+    def backward(self, loss: torch.Tensor) -> None:
+        with self.capture.active(BACKWARD) if self._capturing else nullcontext():
             loss.backward()
             self.finish_backward()
-            with self.capture.phase_as(STEP):
-                self.optimizer.step()
+
+    def step(self) -> None:
+        with self.capture.active(STEP) if self._capturing else nullcontext():
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._last = self.capture.take()
+        if self._capturing:
+            self._last, self._capturing = self.capture.take(), False
+
+    def backward_and_step(self, loss: torch.Tensor) -> None:
+        self.backward(loss)
+        self.step()
+
+    def capture_next_step(self) -> None:
+        self._capturing = True
 
     def collectives(self) -> list[Collective]:
         return list(self._last)
 
 
 class DDPSystem(CapturedBaseline):
-    """torch DDP over the dense params, `ExpertGradReducer` for the expert params.
-
-    `comm_hook=True` (default) reduces through the stock Python `allreduce_hook` so the
-    collectives are captured; False leaves DDP's C++ reducer alone (nothing captured),
-    the baseline for host-overhead comparisons."""
+    """torch DDP (its C++ reducer) over the dense params, `ExpertGradReducer` for the
+    expert params. `capture_next_step` switches DDP to the stock Python `allreduce_hook`
+    for good (torch allows one registration), so capture after the timed steps."""
 
     def __init__(self, model: nn.Module, loss_fn: LossFn, *, lr: float = 1e-3,
                  weight_decay: float = 0.01, expert_group: Any = None,
                  capture: CaptureOptions | None = None, name: str = "ddp",
-                 fused_adamw: bool | None = None, comm_hook: bool = True) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+                 fused_adamw: bool | None = None) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         expert = [(n, p) for n, p in model.named_parameters() if is_expert(p)]
@@ -119,16 +134,23 @@ class DDPSystem(CapturedBaseline):
                              "pass the expert-data-parallel process group")
         DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in expert])
         device = next(model.parameters()).device
-        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        if comm_hook:  # False: DDP's own C++ all-reduce, fastest but not captured
-            ddp.register_comm_hook(None, allreduce_hook)
+        self.ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         self.experts = ExpertGradReducer([p for _, p in expert], expert_group, dist.get_world_size())
+        self._hooked = False
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
                                       fused=fused_adamw)
-        super().__init__(name, loss_fn, ddp, optimizer, capture)
+        super().__init__(name, loss_fn, self.ddp, optimizer, capture)
 
     def finish_backward(self) -> None:
         self.experts.finish()
+
+    def capture_next_step(self) -> None:
+        if not self._hooked:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            self.ddp.register_comm_hook(None, allreduce_hook)
+            self._hooked = True
+        super().capture_next_step()
 
 
 class FSDP2System(CapturedBaseline):
@@ -149,3 +171,50 @@ class FSDP2System(CapturedBaseline):
         fully_shard(model, mesh=mesh, reshard_after_forward=False)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
         super().__init__(name, loss_fn, model, optimizer, capture)
+
+
+class FloorSystem:
+    """The comm-free floor: what a data-parallel step costs with no communication at all.
+
+    Forward and backward of the model as it is (an MoE layer's token all_to_all stays:
+    it is the model's, not the optimizer's), no gradient reduction, no parameter
+    gather, and an AdamW step over this rank's shard only: 1/W of the dense elements and
+    1/(its EDP group's size) of the expert elements, in one preallocated flat tensor (the
+    gradients are not reduced into it, so the model's own weights do not train and its
+    losses are not comparable). What evenzero's step costs beyond this is its
+    communication and bookkeeping."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, *, lr: float = 1e-3,
+                 weight_decay: float = 0.01, expert_group_size: int = 1,
+                 name: str = "floor") -> None:
+        self.name, self.model, self.loss_fn = name, model, loss_fn
+        world = dist.get_world_size()
+        dense = sum(p.numel() for p in model.parameters() if p.requires_grad and not is_expert(p))
+        expert = sum(p.numel() for p in model.parameters() if p.requires_grad and is_expert(p))
+        numel = -(-dense // world) + -(-expert // max(1, expert_group_size))
+        device = next(model.parameters()).device
+        gen = torch.Generator().manual_seed(0)  # never the user's generator
+        self.shard = nn.Parameter(torch.zeros(numel, device=device))
+        self.shard.grad = (torch.randn(numel, generator=gen) * 1e-3).to(device)
+        self.optimizer = torch.optim.AdamW([self.shard], lr=lr, weight_decay=weight_decay)
+
+    def loss(self, batch: Batch) -> torch.Tensor:
+        x, y = batch
+        return self.loss_fn(self.model(x), y)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+
+    def backward_and_step(self, loss: torch.Tensor) -> None:
+        self.backward(loss)
+        self.step()
+
+    def capture_next_step(self) -> None:
+        """Nothing to capture: the floor reduces nothing."""
+
+    def collectives(self) -> list[Collective]:
+        return []

@@ -1,9 +1,11 @@
 """`evenzero bench`: a dense GPT-style model trained side by side by every system.
 
-evenzero, the DeepSpeed-0.6 schedule in evenzero's runtime, torch DDP, PyTorch FSDP2 in
-ZeRO-2 mode (`reshard_after_forward=False`) and real DeepSpeed ZeRO-2, interleaved step
-by step on the same batches. Forward is timed too: FSDP2 gathers parameters in forward,
-evenzero and DeepSpeed in their step, so backward+step alone would flatter FSDP2.
+evenzero, the DeepSpeed-0.6 schedule in evenzero's runtime, torch DDP (its C++ reducer),
+PyTorch FSDP2 in ZeRO-2 mode (`reshard_after_forward=False`), real DeepSpeed ZeRO-2 and
+the comm-free floor (the systems of `evenzero.repro.systems`, the table `evenzero repro`
+uses too), interleaved step by step on the same batches. Every step is timed in its
+phases, forward, backward and step: FSDP2 gathers parameters in forward, evenzero and
+DeepSpeed in their step, so no phase alone compares them; the whole step does.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from typing import Any
 
 from evenzero.repro.gptmodel import GPT_SIZES, GPTConfig
 from evenzero.repro.localrun import add_launch_arguments, parse_launch_arguments
+from evenzero.repro.systems import system_names
 
-SYSTEMS = ("evenzero", "deepspeed-0.6-schedule", "ddp", "fsdp2", "deepspeed",
-           "deepspeed-reduce-mode")
+SYSTEMS = system_names()
+"""What `--systems` accepts: every system of the table (the GPT has no MoE)."""
 DEFAULT_SYSTEMS = ("evenzero", "ddp", "fsdp2", "deepspeed")
 DEFAULT_BUCKET_NUMEL = 2**22
 """4M elements (16 MiB): 15 buckets for the 59M model, so reductions overlap backward, as
@@ -90,86 +93,60 @@ def main(args: argparse.Namespace) -> int:
 
 def bench_worker(ctx, config: BenchConfig) -> dict[str, Any]:
     from evenzero.plan_report import collective_record as record
-    from evenzero.repro.gptmodel import gpt_batch
-    from evenzero.repro.progress import Planned, StepDone
-    from evenzero.repro.sidebyside import InterleaveOptions, run_interleaved
+    from evenzero.repro import system_record
+    from evenzero.repro.gptmodel import GPT, blocks, gpt_batch, gpt_loss
+    from evenzero.repro.progress import Planned, Status, StepDone
+    from evenzero.repro.sidebyside import InterleaveOptions, capture_collectives, run_interleaved
+    from evenzero.repro.systems import Workload, build_systems
 
-    systems, skipped = dense_systems(ctx, config)
+    work = Workload(lambda: GPT(config.model).to(ctx.device), gpt_loss,
+                    config.model.batch_per_rank, bucket_numel=config.bucket_numel, blocks=blocks)
+    systems, skipped = build_systems(ctx, config.systems, work)
     ctx.emit(Planned(tuple(s.name for s in systems), config.steps, config.warmup))
-    results = run_interleaved(
-        systems, lambda step: gpt_batch(config.model, step, ctx.rank, ctx.world_size),
-        InterleaveOptions(config.steps, config.warmup, ctx.device, time_forward=True),
-        on_step=lambda name, step: ctx.emit(StepDone(name, step)))
+
+    def batch(step: int):
+        return gpt_batch(config.model, step, ctx.rank, ctx.world_size)
+
+    results = run_interleaved(systems, batch,
+                              InterleaveOptions(config.steps, config.warmup, ctx.device),
+                              on_step=lambda name, step: ctx.emit(StepDone(name, step)))
+    ctx.emit(Status("capturing each system's collectives in one more, untimed step"))
+    captured = capture_collectives(systems, batch(config.warmup + config.steps), ctx.device)
     return {
         "world_size": ctx.world_size, "backend": ctx.backend, "config": dataclasses.asdict(config),
         "numel": config.model.numel(),
-        "systems": [{"name": r.name, "median_step_ms": r.median_step_ms, "step_ms": r.step_ms,
-                     "losses": r.losses,
-                     "backward_collectives": [record(c) for c in r.backward_collectives()]}
-                    for r in results],
+        "systems": [system_record(r, captured[r.name], record) for r in results],
         "skipped": skipped,
     }
 
 
-def dense_systems(ctx, config: BenchConfig) -> tuple[list, list[dict]]:
-    """Each requested system around its own copy of the same GPT."""
-    from evenzero.repro.baselines import DDPSystem, FSDP2System
-    from evenzero.repro.deepspeed_runner import (
-        DEEPSPEED_INSTALL,
-        DeepSpeedSystem,
-        deepspeed_unavailable,
-    )
-    from evenzero.repro.gptmodel import GPT, blocks, gpt_loss
-    from evenzero.repro.progress import Status
-    from evenzero.repro.sidebyside import EvenzeroSystem
-
-    def model():
-        return GPT(config.model).to(ctx.device)
-
-    systems, skipped = [], []
-    for name in config.systems:
-        ctx.emit(Status(f"building {name}"))
-        if name in ("evenzero", "deepspeed-0.6-schedule"):
-            systems.append(EvenzeroSystem(
-                name, model(), gpt_loss, strategy="evenzero" if name == "evenzero" else "deepspeed-0.6",
-                bucket_numel=config.bucket_numel if name == "evenzero" else None))
-        elif name == "ddp":
-            systems.append(DDPSystem(model(), gpt_loss))
-        elif name == "fsdp2":
-            systems.append(FSDP2System(model(), gpt_loss, blocks))
-        else:
-            reason = deepspeed_unavailable()
-            if reason is not None:
-                skipped.append({"name": name, "reason": f"DeepSpeed is not importable ({reason}); "
-                                                        f"{DEEPSPEED_INSTALL}"})
-                continue
-            systems.append(DeepSpeedSystem(name, model(), gpt_loss,
-                                           micro_batch=config.model.batch_per_rank,
-                                           multi_rank_allreduce=(name == "deepspeed")))
-    return systems, skipped
-
-
 def print_bench(report: dict[str, Any]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
-    from evenzero.repro.report import condensed, max_rel_diff
+    from evenzero.repro.report import PHASE_LABELS, condensed, max_rel_diff, titled
+    from evenzero.repro.systems import trains
 
     console = Console(width=max(Console().width, 130))
     systems = report["systems"]
     ref = next((s for s in systems if s["name"] == "evenzero"), None)
-    t = Table(title=f"GPT {report['numel']:,} params, {report['world_size']} ranks "
-                    f"({report['backend']}): forward+backward+step, slowest rank")
-    for col in ("system", "median ms", "min", "max", "x evenzero", "backward calls",
-                "message sizes", "loss diff vs evenzero"):
+    t = titled(f"GPT {report['numel']:,} params, {report['world_size']} ranks "
+               f"({report['backend']}): ms per phase, slowest rank, median",
+               "whole step = forward + backward + step on each rank, slowest rank per step; "
+               "ddp is DDP's C++ reducer; collectives from one more, untimed step")
+    cols = ("system", *PHASE_LABELS.values(), "whole step", "min-max", "x evenzero",
+            "backward calls", "message sizes", "loss diff vs evenzero")
+    for col in cols:
         t.add_column(col, justify="left" if col in ("system", "message sizes") else "right")
     for s in systems:
         calls = s["backward_collectives"]
         ratio = s["median_step_ms"] / ref["median_step_ms"] if ref else float("nan")
-        diff = max_rel_diff(s["losses"], ref["losses"]) if ref else float("nan")
-        t.add_row(s["name"], f"{s['median_step_ms']:.0f}", f"{min(s['step_ms']):.0f}",
-                  f"{max(s['step_ms']):.0f}", f"{ratio:.2f}", str(len(calls)),
-                  _clipped(condensed([c["numel"] for c in calls]), 60), f"{diff:.1e}")
+        diff = (f"{max_rel_diff(s['losses'], ref['losses']):.1e}" if ref and trains(s["name"])
+                else "-")
+        phases = s.get("median_phase_ms", {})
+        t.add_row(s["name"], *(f"{phases[p]:.0f}" if p in phases else "-" for p in PHASE_LABELS),
+                  f"{s['median_step_ms']:.0f}", f"{min(s['step_ms']):.0f}-{max(s['step_ms']):.0f}",
+                  f"{ratio:.2f}", str(len(calls)),
+                  _clipped(condensed([c["numel"] for c in calls]), 60) or "-", diff)
     console.print(t)
     for s in report.get("skipped", []):
         console.print(f"skipped {s['name']}: {s['reason']}", markup=False)

@@ -19,6 +19,7 @@ losses agree up to float rounding, not bit for bit.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -119,18 +120,30 @@ class DeepSpeedSystem:
                                   reduce_bucket_size=reduce_bucket_size, dtype=dtype)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         self.capture = CollectiveCapture(capture or CaptureOptions())
+        self._capturing = False
         self._last: list[Collective] = []
 
     def loss(self, batch: Batch) -> torch.Tensor:
         x, y = batch
         return self.loss_fn(self.engine(x), y)
 
-    def backward_and_step(self, loss: torch.Tensor) -> None:
-        with self.capture.active(BACKWARD):
+    def backward(self, loss: torch.Tensor) -> None:
+        with self.capture.active(BACKWARD) if self._capturing else nullcontext():
             self.engine.backward(loss)
-            with self.capture.phase_as(STEP):
-                self.engine.step()
-        self._last = self.capture.take()
+
+    def step(self) -> None:
+        """`engine.step()` steps and clears the gradients."""
+        with self.capture.active(STEP) if self._capturing else nullcontext():
+            self.engine.step()
+        if self._capturing:
+            self._last, self._capturing = self.capture.take(), False
+
+    def backward_and_step(self, loss: torch.Tensor) -> None:
+        self.backward(loss)
+        self.step()
+
+    def capture_next_step(self) -> None:
+        self._capturing = True
 
     def collectives(self) -> list[Collective]:
         return list(self._last)

@@ -6,20 +6,25 @@ the job reports each phase, not only steps. Rank 0 sends the events below with
 `RankContext.emit`; the launcher itself sends `RanksJoined` as ranks come up.
 
 On a terminal the events drive a rich progress bar whose total is set by `Planned`,
-i.e. by the systems that actually run (DeepSpeed may be skipped). Anywhere else (a pipe,
-a CI log) there is no bar and no cursor control: one plain line per phase and one per
-round of steps, each with the seconds elapsed.
+i.e. by the systems that actually run (DeepSpeed may be skipped), with a spinner and the
+seconds spent in the current phase, so a long one (a first `deepspeed.initialize` can
+take a minute on CPU) visibly runs. Anywhere else (a pipe, a CI log) there is no
+bar and no cursor control: one plain line per phase and one per round of steps, each
+with the seconds elapsed, and a line every 15 s while a phase lasts
+(`evenzero.commands.heartbeat`).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import ProgressColumn
+from rich.text import Text
 
+from evenzero.commands.heartbeat import Heartbeat, PhaseClock
 from evenzero.repro.localrun import RanksJoined
 
 
@@ -62,31 +67,40 @@ class JobProgress:
         self.planned: Planned | None = None
         self.done = 0
         self._round_done: dict[int, int] = {}
-        self._start = time.monotonic()
         self._bar: Any = None
         self._task: Any = None
+        self._log: Heartbeat | None = None
+        self.clock = PhaseClock()
 
     def __enter__(self) -> JobProgress:
+        first = f"launching {self.world_size} ranks (importing torch in each)"
         if self.console.is_terminal:
             from rich.progress import (
                 BarColumn,
                 MofNCompleteColumn,
                 Progress,
+                SpinnerColumn,
                 TextColumn,
                 TimeElapsedColumn,
             )
 
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(),
-                                 MofNCompleteColumn(), TimeElapsedColumn(),
-                                 console=self.console)
+            self._bar = Progress(SpinnerColumn(), TextColumn("{task.description}"),
+                                 _PhaseSeconds(self.clock), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=self.console)
             self._bar.__enter__()
             self._task = self._bar.add_task("", total=None)
-        self._status(f"launching {self.world_size} ranks (importing torch in each)")
+            self._status(first)
+        else:
+            self._log = Heartbeat(first, self.console)
+            self._log.__enter__()
+            self.clock = self._log.clock
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self._bar is not None:
             self._bar.__exit__(*exc)
+        if self._log is not None:
+            self._log.__exit__(*exc)
 
     def __call__(self, event: Any) -> None:
         if isinstance(event, RanksJoined):
@@ -126,14 +140,24 @@ class JobProgress:
 
     def _status(self, text: str) -> None:
         if self._bar is not None:
+            self.clock.enter(text)
             self._bar.update(self._task, description=escape(text))
         else:
-            self._line(text)
+            self._log.enter(text)
 
     def _line(self, text: str) -> None:
-        elapsed = time.monotonic() - self._start
-        self.console.print(f"[{elapsed:5.0f}s] {text}", markup=False, highlight=False,
-                           soft_wrap=True)
+        self._log.line(text)
+
+
+class _PhaseSeconds(ProgressColumn):
+    """Seconds spent in the current phase, redrawn at every refresh."""
+
+    def __init__(self, clock: PhaseClock) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def render(self, task: Any) -> Text:
+        return Text(f"{self.clock.phase_seconds():.0f} s in phase", style="progress.elapsed")
 
 
 __all__ = ["JobProgress", "Planned", "StepDone", "Status"]

@@ -3,9 +3,19 @@
 Each system trains its own copy of the same model on the same batches. Steps are
 round-robin (system order rotates every step), so machine noise, a busy neighbour or a
 thermal dip hits every system alike; only ratios measured this way mean anything on a
-shared 2-core machine. Per step and system we record the loss (mean over ranks), the
-backward+step time (slowest rank, after a barrier so all ranks start together) and the
-collectives the system issued in that backward and step.
+shared 2-core machine. Every system's step starts after a barrier, so all ranks start
+together, and is timed in three phases, each ended by a device sync (no barrier between
+them, so nothing is serialised that the system would overlap):
+
+* forward: the model and the loss (FSDP2 gathers parameters here);
+* backward: `loss.backward()` and the gradient reduction the system waits for in it;
+* step: the optimizer step and clearing the gradients (evenzero and DeepSpeed gather
+  parameters here).
+
+Per step and phase the slowest rank counts; the whole step is each rank's sum of the
+three, slowest rank. Losses are the mean over ranks. Collectives are not recorded while
+timing: `capture_collectives` runs one more, untimed step per system for that (capturing
+wraps torch.distributed, which would slow the systems it wraps).
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ from evenzero.plan import BACKWARD, STEP, Collective
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+PHASES = ("forward", "backward", "step")
+"""The timed phases of one training step, in order."""
 
 
 class System(Protocol):
@@ -33,11 +45,17 @@ class System(Protocol):
     def loss(self, batch: Batch) -> torch.Tensor:
         """Forward pass and loss on this rank's batch."""
 
-    def backward_and_step(self, loss: torch.Tensor) -> None:
-        """Backward, gradient reduction, optimizer step, gradients cleared."""
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward with the gradient reduction the system finishes in it."""
+
+    def step(self) -> None:
+        """Optimizer step, gradients cleared."""
+
+    def capture_next_step(self) -> None:
+        """Record the collectives of the next backward and step (an untimed step)."""
 
     def collectives(self) -> list[Collective]:
-        """Collectives issued by the last `backward_and_step`, both phases, in issue order."""
+        """Collectives of the last captured step, both phases, in issue order."""
 
 
 @dataclass
@@ -48,13 +66,19 @@ class SystemResult:
     losses: list[float] = field(default_factory=list)
     """Loss per step (warm-up included), mean over ranks."""
     step_ms: list[float] = field(default_factory=list)
-    """Backward+step wall time of the slowest rank, per measured step."""
+    """Forward+backward+step wall time of the slowest rank, per measured step."""
+    phase_ms: dict[str, list[float]] = field(default_factory=dict)
+    """Per phase (`PHASES`), the slowest rank's time per measured step."""
     collectives: list[Collective] = field(default_factory=list)
-    """Collectives of the last measured step."""
+    """Collectives of the captured step (see `capture_collectives`)."""
 
     @property
     def median_step_ms(self) -> float:
         return statistics.median(self.step_ms) if self.step_ms else float("nan")
+
+    def median_phase_ms(self, phase: str) -> float:
+        times = self.phase_ms.get(phase, [])
+        return statistics.median(times) if times else float("nan")
 
     def backward_collectives(self) -> list[Collective]:
         return [c for c in self.collectives if c.phase == BACKWARD]
@@ -65,58 +89,75 @@ class SystemResult:
 
 @dataclass(frozen=True)
 class InterleaveOptions:
-    """How many steps to run and how to time them."""
+    """How many steps to run and where."""
 
     steps: int = 8
     """Measured steps per system."""
     warmup: int = 2
     """Steps per system run first and not timed (allocations, first-call costs)."""
     device: str = "cpu"
-    """Where the model lives; CUDA devices are synchronised around the timed region."""
-    time_forward: bool = False
-    """Time forward+backward+step instead of backward+step. Needed when a system moves
-    work into forward (FSDP2 all-gathers parameters there, evenzero in its step)."""
+    """Where the model lives; CUDA devices are synchronised at every phase's end."""
 
 
 def run_interleaved(systems: Sequence[System], batch: Callable[[int], Batch],
                     options: InterleaveOptions,
                     on_step: Callable[[str, int], None] | None = None) -> list[SystemResult]:
     """Train every system for warmup+steps steps, round-robin; same batch per step."""
-    results = {s.name: SystemResult(s.name) for s in systems}
     total = options.warmup + options.steps
     local_losses = torch.zeros(len(systems), total, dtype=torch.float64)
-    local_times = torch.zeros(len(systems), options.steps, dtype=torch.float64)
+    local_phases = torch.zeros(len(systems), options.steps, len(PHASES), dtype=torch.float64)
+    local_whole = torch.zeros(len(systems), options.steps, dtype=torch.float64)
     index = {s.name: i for i, s in enumerate(systems)}
     for step in range(total):
         x, y = batch(step)
         x, y = x.to(options.device), y.to(options.device)
         shift = step % len(systems)
         for system in list(systems[shift:]) + list(systems[:shift]):
-            if not options.time_forward:
-                loss = system.loss((x, y))
             _sync(options.device)
             dist.barrier()
-            start = time.perf_counter()
-            if options.time_forward:
-                loss = system.loss((x, y))
-            system.backward_and_step(loss)
+            t0 = time.perf_counter()
+            loss = system.loss((x, y))
             _sync(options.device)
-            elapsed = time.perf_counter() - start
-            local_losses[index[system.name], step] = loss.detach().double().item()
+            t1 = time.perf_counter()
+            system.backward(loss)
+            _sync(options.device)
+            t2 = time.perf_counter()
+            system.step()
+            _sync(options.device)
+            t3 = time.perf_counter()
+            i = index[system.name]
+            local_losses[i, step] = loss.detach().double().item()
             if step >= options.warmup:
-                local_times[index[system.name], step - options.warmup] = elapsed * 1e3
+                k = step - options.warmup
+                local_phases[i, k] = torch.tensor([t1 - t0, t2 - t1, t3 - t2]) * 1e3
+                local_whole[i, k] = (t3 - t0) * 1e3
             if on_step is not None:
                 on_step(system.name, step)
     # One reduction at the end, so result bookkeeping never sits inside a timed step.
     losses = _reduced(local_losses, dist.ReduceOp.SUM, options.device) / dist.get_world_size()
-    times = _reduced(local_times, dist.ReduceOp.MAX, options.device)
+    phases = _reduced(local_phases, dist.ReduceOp.MAX, options.device)
+    whole = _reduced(local_whole, dist.ReduceOp.MAX, options.device)
+    out = []
     for system in systems:
-        r = results[system.name]
         i = index[system.name]
-        r.losses = losses[i].tolist()
-        r.step_ms = times[i].tolist()
-        r.collectives = list(system.collectives())
-    return [results[s.name] for s in systems]
+        out.append(SystemResult(system.name, losses[i].tolist(), whole[i].tolist(),
+                                {p: phases[i, :, j].tolist() for j, p in enumerate(PHASES)},
+                                list(system.collectives())))
+    return out
+
+
+def capture_collectives(systems: Sequence[System], batch: Batch,
+                        device: str = "cpu") -> dict[str, list[Collective]]:
+    """One more, untimed step per system with its collectives recorded; by name."""
+    x, y = batch[0].to(device), batch[1].to(device)
+    out = {}
+    for system in systems:
+        dist.barrier()
+        system.capture_next_step()
+        system.backward(system.loss((x, y)))
+        system.step()
+        out[system.name] = list(system.collectives())
+    return out
 
 
 def _reduced(t: torch.Tensor, op: Any, device: str) -> torch.Tensor:
@@ -157,10 +198,19 @@ class EvenzeroSystem:
         x, y = batch
         return self.loss_fn(self.model(x), y)
 
-    def backward_and_step(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+
+    def step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad()
+
+    def backward_and_step(self, loss: torch.Tensor) -> None:
+        self.backward(loss)
+        self.step()
+
+    def capture_next_step(self) -> None:
+        """Nothing to install: `optimizer.trace` always holds the last step's calls."""
 
     def collectives(self) -> list[Collective]:
         return list(self.optimizer.trace)

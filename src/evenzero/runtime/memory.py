@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -11,9 +11,10 @@ from evenzero.runtime.shardedgrad import ShardedGrad
 from evenzero.runtime.shards import GroupShard
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class MemoryReport:
-    """Bytes held by this rank at the moment of the report."""
+    """Bytes held by this rank at the moment of the report (the fields are byte counts;
+    printed, each has its unit)."""
 
     gradient_shards: int
     """Accumulated fp32 gradient shards (1/N of the model, padding included)."""
@@ -36,6 +37,21 @@ class MemoryReport:
     @property
     def gradients(self) -> int:
         return self.gradient_shards + self.gradient_buffers + self.pending_grads
+
+    def __repr__(self) -> str:
+        held = ", ".join(f"{f.name}={_human_bytes(getattr(self, f.name))}" for f in fields(self))
+        return f"MemoryReport({held}; gradients in all {_human_bytes(self.gradients)})"
+
+    __str__ = __repr__
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
 
 
 def _nbytes(t: torch.Tensor) -> int:

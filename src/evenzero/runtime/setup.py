@@ -265,6 +265,11 @@ def make_plan(spec: ModelSpec, world_size: int, config: ZeroConfig,
     impl = plan_note(config.optimizer_impl)  # first: notes[-1] is the bucket size's
     if impl:
         plan = replace(plan, notes=(impl, *plan.notes))
+    if note is None and not config.auto_bucket:  # notes[-1] always says where the size came from
+        count = len(plan.buckets)
+        note = (f"bucket_numel {config.bucket_numel:,} elements ({count} bucket"
+                f"{'' if count == 1 else 's'}): fixed by bucket_numel={config.bucket_numel}; "
+                f"nothing measured or refined")
     if note:
         plan = replace(plan, notes=(*plan.notes, note))
     if not plan.sharded:
