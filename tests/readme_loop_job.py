@@ -106,7 +106,7 @@ def main() -> None:
     args = parser.parse_args()
 
     evenzero.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     if args.pids is not None:
         args.pids.mkdir(parents=True, exist_ok=True)
         (args.pids / f"{os.getppid()}.{rank}").write_text(str(os.getpid()))
