@@ -98,6 +98,7 @@ from evenzero.runtime.setup import broadcast_initial_state, establish, make_plan
 from evenzero.runtime.shardedgrad import drop_placeholders, placeholders
 from evenzero.runtime.shardruns import ShardRuns
 from evenzero.runtime.shards import GroupState, gather_order, load_masters, reshard_group
+from evenzero.runtime.stall import ProgressBoard
 from evenzero.runtime.statedict import ShardStateSide
 from evenzero.runtime.teardown import Resources, claim, release_with
 
@@ -216,6 +217,10 @@ class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
         self._resources.on_close(self._hooks.remove)
         self._resources.on_close(claim(list(self.params.values()), self))
         self._resources.on_close(partial(drop_placeholders, self.params))
+        # A rank that stops arriving is named in the others' timeout (runtime/stall.py).
+        self._progress = ProgressBoard(self.world_group,
+                                       [st.process_group for st in self.groups.values()])
+        self._resources.on_close(self._progress.close)
         release_with(self, self._resources)
 
     # ------------------------------------------------------------------ the plan
@@ -303,6 +308,7 @@ class ZeroOptimizer(BackwardSide, ShardStateSide, torch.optim.Optimizer):
                 self.step_count += 1
         self._recorder.close_step()
         self._life.reset()
+        self._progress.step_done(self.step_count)
         return loss
 
     def _step_shards(self, present: tuple[bool, ...]) -> None:

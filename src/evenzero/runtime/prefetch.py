@@ -31,6 +31,7 @@ from evenzero.plan import Collective, Plan
 from evenzero.runtime.buckets import FlatParams
 from evenzero.runtime.collectives import LayoutAllGather, TraceRecorder
 from evenzero.runtime.shards import GroupState
+from evenzero.runtime.stall import wait
 
 LayoutKey = tuple[str, int]
 
@@ -97,13 +98,14 @@ class ParamPrefetch:
             work = self.pending.pop(key, None)
             if work is not None:
                 with record_function("evenzero::gather_wait"):
-                    work.wait()
+                    wait(work, self.states[key[0]].process_group, key)
 
     def wait_all(self) -> None:
         # In issue order: on gloo the oldest gather is the first to finish anyway.
         while self.pending:
+            key = next(iter(self.pending))
             with record_function("evenzero::gather_wait"):
-                self.pending.pop(next(iter(self.pending))).wait()
+                wait(self.pending.pop(key), self.states[key[0]].process_group, key)
 
     def layout_of(self, name: str) -> LayoutKey | None:
         """The layout holding parameter `name`."""
