@@ -12,15 +12,20 @@ did.
 
 How it knows, without a store round trip per bucket:
 
-* every rank publishes one progress record per optimizer step to the default store (the
-  store its process group was formed on): the steps it has completed and when
-  (`ProgressBoard.step_done`, called once at the end of `step()`), and one at
-  construction, which also replaces any record an earlier attempt of the job left;
+* every rank publishes a progress record to the default store (the store its process
+  group was formed on): the steps it has completed and when (`ProgressBoard.step_done`,
+  called at the end of `step()`, writes at most once per `RECORD_EVERY_SECONDS`, so a
+  job of many fast steps on many ranks does not load the store), and one at
+  construction, which also replaces any record an earlier attempt of the job left. A
+  `FileStore` (`file://` init) appends every write to its file, so there only the
+  construction and waiting records are written;
 * the runtime's waits go through `wait` (a plain `work.wait()` unless it raises);
 * when a wait times out, the rank adds what it was waiting for to its record, gives the
   other ranks a short grace to time out and do the same (`grace_seconds`), reads every
   rank's record (one round trip), and raises. The ranks without a waiting record are the
-  ones that did not come.
+  ones that did not come. A rank whose wait is cut off instead (the first rank to give up
+  closed its connections) finds that rank's waiting record and names the same ranks; a
+  wait that fails with no waiting record anywhere (a peer crashed) keeps torch's error.
 
 NCCL: `work.wait()` does not block the host there unless `TORCH_NCCL_BLOCKING_WAIT=1`;
 without it NCCL's watchdog ends the process at the timeout with its own report, and the
@@ -32,6 +37,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Iterable
@@ -47,6 +53,8 @@ GRACE = (0.1, 2.0, 30.0)
 these many seconds, for the other ranks' waiting records: every rank that reached the
 collective times out within about the skew with which they reached it."""
 POLL_SECONDS = 0.2
+RECORD_EVERY_SECONDS = 1.0
+"""Least time between two progress records of one rank."""
 DEFAULT_TIMEOUT_SECONDS = 1800.0
 """torch's default process-group timeout for gloo, used when the group's cannot be read."""
 
@@ -76,8 +84,10 @@ class ProgressBoard:
         self.steps = 0
         self.prefix = f"evenzero/progress/{next(_boards)}"
         self.store = _default_store()
+        self.per_step = self.store is not None and not _appends(self.store)
+        self.published = -math.inf
         self.watched = {id(g): g for g in (group, *watched) if g is not None}
-        self.step_done(0)
+        self._publish({"steps": 0, "at": time.time(), "waiting": None})
         for key in self.watched:
             _watching[key] = self
 
@@ -90,9 +100,13 @@ class ProgressBoard:
         return f"{self.prefix}/rank-{rank}"
 
     def step_done(self, steps: int) -> None:
-        """Record that this rank completed `steps` optimizer steps (once per step)."""
+        """This rank completed `steps` optimizer steps (called once per step; writes a
+        record at most once per `RECORD_EVERY_SECONDS`)."""
         self.steps = steps
-        self._publish({"steps": steps, "at": time.time(), "waiting": None})
+        now = time.monotonic()
+        if self.per_step and now - self.published >= RECORD_EVERY_SECONDS:
+            self.published = now
+            self._publish({"steps": steps, "at": time.time(), "waiting": None})
 
     def _publish(self, record: dict[str, Any]) -> None:
         if self.store is None:
@@ -125,7 +139,23 @@ class ProgressBoard:
                 (records.get(r) or {}).get("waiting") is None for r in members):
             time.sleep(POLL_SECONDS)
             records = self.read()
-        return stalled_error(self.rank, waiting, members, records, timeout, error)
+        how = f"timed out after {timeout:g} s (the process group's timeout)"
+        return stalled_error(self.rank, waiting, members, records, how,
+                             waiting["since"] - timeout, error)
+
+    def explain(self, error: BaseException, group: Any, what: Any) -> StalledRankError | None:
+        """After this rank's wait failed otherwise (a peer closed its connections): if a
+        rank of the group published a waiting record, the peer gave up on a stalled rank
+        and this is the same stall; None if none did (a crash, not a stall)."""
+        members = dist.get_process_group_ranks(group) if group is not None else self.ranks
+        records = self.read()
+        if not any((records.get(r) or {}).get("waiting") for r in members if r != self.rank):
+            return None
+        waiting = {"step": self.steps, "what": describe(what), "since": time.time()}
+        records[self.rank] = {"steps": self.steps, "at": time.time(), "waiting": waiting}
+        how = "was cut off by a rank that timed out first"
+        return stalled_error(self.rank, waiting, members, records, how, waiting["since"],
+                             error)
 
 
 def _default_store() -> Any:
@@ -136,6 +166,13 @@ def _default_store() -> Any:
         return dist.distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - any failure means: no records
         return None
+
+
+def _appends(store: Any) -> bool:
+    """Whether `store` (through its prefixes) keeps every write in a growing file."""
+    while isinstance(store, dist.PrefixStore) and hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return isinstance(store, dist.FileStore)
 
 
 def grace_seconds(timeout: float) -> float:
@@ -167,12 +204,15 @@ def wait(work: Any, group: Any, what: Any) -> None:
     try:
         work.wait()
     except RuntimeError as e:
-        if not is_timeout(e) or isinstance(e, StalledRankError):
-            raise
         board = _watching.get(id(group))
-        if board is None:
+        if board is None or isinstance(e, StalledRankError):
             raise
-        raise board.diagnose(e, group, what, process_group_timeout(group, e)) from e
+        if is_timeout(e):
+            raise board.diagnose(e, group, what, process_group_timeout(group, e)) from e
+        named = board.explain(e, group, what)
+        if named is None:
+            raise
+        raise named from e
 
 
 def describe(what: Any) -> str:
@@ -188,33 +228,39 @@ def describe(what: Any) -> str:
 
 
 def stalled_error(rank: int, waiting: dict[str, Any], members: list[int],
-                  records: dict[int, dict[str, Any]], timeout: float,
+                  records: dict[int, dict[str, Any]], how: str, started: float,
                   error: BaseException) -> StalledRankError:
+    """The error for this rank, which `how` waited for `waiting` since about `started`
+    (wall time), from every rank's record."""
     now = time.time()
     missing = [r for r in members if (records.get(r) or {}).get("waiting") is None]
-    behind = []
-    for r in missing:
-        rec = records.get(r)
-        if rec is None:
-            behind.append(f"rank {r} (no progress record: it never finished building its "
-                          f"ZeroOptimizer)")
-            continue
-        behind.append(f"rank {r} ({rec['steps']} steps done, the last one ended "
-                      f"{now - rec['at']:.1f} s ago; it is in no evenzero collective: in "
-                      f"user code, sleeping, stuck or gone)")
-    others = [f"rank {r}: {rec['waiting']['what']} in step {rec['waiting']['step']}"
-              for r, rec in sorted(records.items())
-              if r != rank and r in members and rec.get("waiting") is not None]
-    head = (f"rank {rank} timed out after {timeout:g} s (the process group's timeout) waiting "
-            f"for {waiting['what']} in step {waiting['step']} (opt.step_count "
-            f"{waiting['step']}).")
-    if missing:
+    others = {r: rec["waiting"] for r, rec in sorted(records.items())
+              if r != rank and r in members and rec.get("waiting") is not None}
+    also = "; ".join(f"rank {r}: {w['what']} in step {w['step']}" for r, w in others.items())
+    head = (f"rank {rank} {how} waiting for {waiting['what']} in step {waiting['step']} "
+            f"(opt.step_count {waiting['step']}).")
+    if not missing and others and all(w["since"] < started for w in others.values()):
+        # Everyone else gave up before this rank even began to wait: it is the one late.
+        missing = [rank]
+        head += (f" This rank is the one that stopped arriving: rank(s) {list(others)} had "
+                 f"already timed out waiting for it ({also}).")
+    elif missing:
+        behind = []
+        for r in missing:
+            rec = records.get(r)
+            if rec is None:
+                behind.append(f"rank {r} (no progress record: it never finished building its "
+                              f"ZeroOptimizer)")
+                continue
+            behind.append(f"rank {r} (its last progress record, {now - rec['at']:.1f} s old, "
+                          f"says {rec['steps']} steps done; it is in no evenzero collective: "
+                          f"in user code, sleeping, stuck or gone)")
         head += f" Rank(s) {missing} did not arrive: " + "; ".join(behind) + "."
+        if others:
+            head += f" Also waiting: {also}."
     else:
         head += (" Every rank timed out waiting, so they wait for different collectives (the "
-                 "ranks ran different code) or the network dropped them.")
-    if others:
-        head += " Also waiting: " + "; ".join(others) + "."
+                 f"ranks ran different code) or the network dropped them: {also}.")
     head += (" A rank that is only slow (a long save, evaluation or data stall) needs a longer "
              "timeout: init_process_group(..., timeout=timedelta(minutes=N)); see the README's "
              f"'Fault tolerance'. Transport error: {error}")
