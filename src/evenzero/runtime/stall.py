@@ -127,9 +127,12 @@ class ProgressBoard:
         return {r: json.loads(bytes(v).decode()) for r, v in zip(present, values, strict=True)}
 
     def diagnose(self, error: BaseException, group: Any, what: Any,
-                 timeout: float) -> StalledRankError:
+                 timeout: float) -> StalledRankError | None:
         """After this rank's wait for `what` over `group` timed out: publish it, give the
-        others `grace_seconds(timeout)` to do the same, and name who did not come."""
+        others `grace_seconds(timeout)` to do the same, and name who did not come (None
+        without a store)."""
+        if self.store is None:
+            return None
         waiting = {"step": self.steps, "what": describe(what), "since": time.time()}
         self._publish({"steps": self.steps, "at": time.time(), "waiting": waiting})
         members = dist.get_process_group_ranks(group) if group is not None else self.ranks
@@ -148,6 +151,8 @@ class ProgressBoard:
         rank of the group published a waiting record, the peer gave up on a stalled rank
         and this is the same stall; None if none did (a crash, not a stall)."""
         members = dist.get_process_group_ranks(group) if group is not None else self.ranks
+        if self.store is None:
+            return None
         records = self.read()
         if not any((records.get(r) or {}).get("waiting") for r in members if r != self.rank):
             return None
@@ -207,9 +212,13 @@ def wait(work: Any, group: Any, what: Any) -> None:
         board = _watching.get(id(group))
         if board is None or isinstance(e, StalledRankError):
             raise
-        if is_timeout(e):
-            raise board.diagnose(e, group, what, process_group_timeout(group, e)) from e
-        named = board.explain(e, group, what)
+        try:
+            if is_timeout(e):
+                named = board.diagnose(e, group, what, process_group_timeout(group, e))
+            else:
+                named = board.explain(e, group, what)
+        except Exception:  # noqa: BLE001 - the store failed too: torch's error is all there is
+            named = None
         if named is None:
             raise
         raise named from e
