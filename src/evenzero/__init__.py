@@ -20,14 +20,19 @@ from evenzero.strategies import PlanOptions, plan  # noqa: E402
 
 
 def __getattr__(name: str):
-    # The runtime needs torch.distributed; keep `import evenzero` light for the planner.
+    # The runtime and the rendezvous need torch.distributed; keep `import evenzero` light
+    # for the planner.
     if name == "ZeroOptimizer":
         from evenzero.runtime.optimizer import ZeroOptimizer
 
         return ZeroOptimizer
+    if name in ("init_process_group", "RendezvousError"):
+        from evenzero import rendezvous
+
+        return getattr(rendezvous, name)
     raise AttributeError(name)
 
 
 __all__ = ["Bucket", "Collective", "FlatBuffer", "Layout", "ModelSpec", "ParamSpec", "Plan",
-           "PlanError", "PlanOptions", "Schedule", "ShardRange", "SpecError", "Slot",
-           "ZeroOptimizer", "plan"]
+           "PlanError", "PlanOptions", "RendezvousError", "Schedule", "ShardRange", "SpecError",
+           "Slot", "ZeroOptimizer", "init_process_group", "plan"]

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from evenzero.deepspeed.log import logger
+from evenzero.rendezvous import init_process_group
 
 DEFAULT_PORT = 29500  # deepspeed/constants.py@0.19.8:12
 REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
@@ -150,8 +151,9 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     backend = dist_backend or default_backend()
     if not use_cpu() and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend, init_method=init_method, timeout=timeout or default_timeout(),
-                            rank=rank, world_size=world_size)
+    # evenzero's drop-in: safe when torchrun restarts the job (evenzero/rendezvous.py).
+    init_process_group(backend, init_method=init_method, timeout=timeout or default_timeout(),
+                       rank=rank, world_size=world_size)
 
 
 def local_rank_from_env() -> int:

@@ -10,7 +10,8 @@ from evenzero.runtime.lifecycle import TrainingState
 from evenzero.runtime.memory import MemoryReport
 from evenzero.runtime.optimizer import ZeroOptimizer
 from evenzero.runtime.precision import LossScaleConfig, LossScaler
+from evenzero.runtime.stall import StalledRankError
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "GradStats", "LossScaleConfig", "LossScaler",
-           "MemoryReport", "TrainingState", "ZeroConfig", "ZeroConfigError", "ZeroOptimizer",
-           "ZeroRuntimeError", "control_device"]
+           "MemoryReport", "StalledRankError", "TrainingState", "ZeroConfig", "ZeroConfigError",
+           "ZeroOptimizer", "ZeroRuntimeError", "control_device"]

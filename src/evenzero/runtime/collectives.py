@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from evenzero.plan import Collective, Schedule
+from evenzero.runtime.stall import wait
 from evenzero.runtime.teardown import keep
 
 NATIVE = "reduce_scatter_tensor"
@@ -246,11 +247,11 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
     keep(_all_gather_flat(out, inp, group=group, async_op=True)).wait()
 
 
-def all_reduce_sum(vec: torch.Tensor, group: Any) -> None:
-    """Blocking sum all-reduce of a small control vector."""
+def all_reduce_sum(vec: torch.Tensor, group: Any, what: str = "a control all-reduce") -> None:
+    """Blocking sum all-reduce of a small control vector (`what` names it in a timeout)."""
     if alone(group):
         return
-    keep(dist.all_reduce(vec, group=group, async_op=True)).wait()
+    wait(keep(dist.all_reduce(vec, group=group, async_op=True)), group, what)
 
 
 def broadcast(t: torch.Tensor, src_group_rank: int, group: Any) -> None:

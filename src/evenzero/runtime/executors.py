@@ -35,6 +35,7 @@ from evenzero.runtime.collectives import LOCAL, PieceCollective, ReduceScatter, 
 from evenzero.runtime.gradclear import add_reduced
 from evenzero.runtime.routes import BucketRoute
 from evenzero.runtime.shards import GroupShard
+from evenzero.runtime.stall import wait
 
 
 class RouteExecutor(Protocol):
@@ -82,7 +83,7 @@ class DirectShardSync:
                          scale: float, cleared: Sequence[tuple[int, int]] = ()) -> None:
         work, output = handle
         with record_function("evenzero::wait"):
-            work.wait()
+            wait(work, self.group.process_group, self.route)
         with record_function("evenzero::accumulate"):
             chunk = self.rs.chunk(output, self.group.size, shard.dtype)
             add_reduced(shard, self.route.direct_shard_offset, chunk, scale, cleared)
@@ -114,7 +115,7 @@ class ReplaySync:
                          scale: float, cleared: Sequence[tuple[int, int]] = ()) -> None:
         with record_function("evenzero::wait"):
             for call, message, work in handle:
-                work.wait()
+                wait(work, self.group.process_group, self.route)
                 call.finish(message, bucket)
         with record_function("evenzero::accumulate"):
             for off, n in cleared:

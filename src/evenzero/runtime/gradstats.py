@@ -171,7 +171,7 @@ class StepCheck:
             vec[n + 2] = float(local_problem)
             vec[n + 3] = float(micro_batches)
             vec[n + 4] = float(micro_batches) ** 2
-            all_reduce_sum(vec, cfg.group)
+            all_reduce_sum(vec, cfg.group, "the step check's all-reduce")
             self.trace.record(self.record, LOCAL if w == 1 else "all_reduce")
             values = vec.tolist()
         problem_ranks = round(values[n + 2])

@@ -108,6 +108,7 @@ from evenzero.runtime.setup import (
 )
 from evenzero.runtime.shardedgrad import drop_placeholders, placeholders
 from evenzero.runtime.shards import GroupShard, Placement
+from evenzero.runtime.stall import ProgressBoard
 from evenzero.runtime.statedict import StateDictIO
 from evenzero.runtime.teardown import Resources, claim, release_with
 from evenzero.spec import ModelSpec
@@ -225,6 +226,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._resources.on_close(self._backward.hooks.remove)
         self._resources.on_close(claim(list(self.params.values()), self))
         self._resources.on_close(partial(drop_placeholders, self.params))
+        # A rank that stops arriving is named in the others' timeout (runtime/stall.py).
+        self._progress = ProgressBoard(self.world_group,
+                                       [st.process_group for st in self.groups.values()])
+        self._resources.on_close(self._progress.close)
         release_with(self, self._resources)
 
     # ------------------------------------------------------------------ what it runs
@@ -316,6 +321,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 scaler.update(overflow=False)
                 self.step_count += 1
         self._backward.end_step(stepped)
+        self._progress.step_done(self.step_count)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -39,6 +39,7 @@ from evenzero.plan import Collective, Plan
 from evenzero.runtime.buckets import FlatParams
 from evenzero.runtime.collectives import LayoutAllGather, TraceRecorder
 from evenzero.runtime.lifecycle import ParamState
+from evenzero.runtime.stall import wait
 
 LayoutKey = tuple[str, int]
 
@@ -107,8 +108,9 @@ class ParamGathers:
         """GATHERING -> READY: wait for every pending gather (a no-op when READY). In issue
         order: on gloo the oldest gather is the first to finish anyway."""
         while self.pending:
+            key = next(iter(self.pending))
             with record_function("evenzero::gather_wait"):
-                self.pending.pop(next(iter(self.pending))).wait()
+                wait(self.pending.pop(key), self._process_groups[key[0]], key)
 
     def _wait_for(self, keys: Iterable[LayoutKey]) -> None:
         """A module's forward: wait for the layouts its own parameters live in."""
@@ -116,7 +118,7 @@ class ParamGathers:
             work = self.pending.pop(key, None)
             if work is not None:
                 with record_function("evenzero::gather_wait"):
-                    work.wait()
+                    wait(work, self._process_groups[key[0]], key)
 
     # ------------------------------------------------------------------ the one check
 
