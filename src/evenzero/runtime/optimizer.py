@@ -144,7 +144,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  process_group: Any = None, **kwargs: Any) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise ZeroConfigError("torch.distributed is not initialised; call "
-                                  "dist.init_process_group(...) before building ZeroOptimizer")
+                                  "evenzero.init_process_group(...) (or torch.distributed's) "
+                                  "before building ZeroOptimizer")
         engine = {k: kwargs.pop(k) for k in list(kwargs) if k in ZeroConfig.field_names()}
         try:
             self.config = replace(config, **engine) if config is not None else ZeroConfig(**engine)
