@@ -140,7 +140,7 @@ def load(opt: ShardedOptimizer, path: str | os.PathLike, *, tag: str | None = No
     """Load a checkpoint into `opt` and its model on every rank (a collective).
 
     `path` is a checkpoint directory, or a directory of them: then the newest published
-    `step-*` one; with `tag`, `path/tag`. Any world size and bucket size load. Raises the
+    `step-*` one; with `tag`, `path/<tag>`. Any world size and bucket size load. Raises the
     same `CheckpointError` on every rank if any rank finds a problem, and then no value
     has changed. Returns the manifest, whose `extra` is this rank's saved `extra` (the
     saving rank with the same number; rank 0's when the saving world was smaller), or
@@ -167,23 +167,23 @@ def load(opt: ShardedOptimizer, path: str | os.PathLike, *, tag: str | None = No
         check_compatible(manifest, local_model(opt, place), str(found))
         return found, manifest, choices_to_adopt(manifest, opt, place, str(found))
 
-    found, err = attempt(find)
+    located, err = attempt(find)
     # Every rank re-plans alike, or none does: the same checkpoint, the same choices.
-    agree(place, err, doing, same=zlib.crc32(repr((found[1].step, found[2])).encode())
-          if found else -1,
+    agree(place, err, doing, same=zlib.crc32(repr((located[1].step, located[2])).encode())
+          if located else -1,
           differ=f"ranks found different checkpoints (this rank: step "
-                 f"{found[1].step if found else '?'}); another job may be saving into the "
-                 f"same directory")
-    where, manifest, choices = found
+                 f"{located[1].step if located else '?'}); another job may be saving into "
+                 f"the same directory")
+    directory, manifest, choices = located
 
     def read() -> tuple[Manifest, StagedState]:
         if choices is not None:
             # Collective, and before staging: the shards are read for the adopted plan.
             # Nothing here can fail on one rank only: every rank passes the same choices.
             opt.adopt_plan_choices(choices)
-        with FileSource(where, manifest) as source:
+        with FileSource(directory, manifest) as source:
             staged = stage(opt, place, source)
-        return dataclasses.replace(manifest, extra=read_user_state(where, manifest,
+        return dataclasses.replace(manifest, extra=read_user_state(directory, manifest,
                                                                    place.rank)), staged
 
     result, err = attempt(read)
