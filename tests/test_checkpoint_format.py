@@ -369,6 +369,12 @@ def _damage(data: dict, edit: str) -> None:
     ('loss_scaler={"scale": NaN, "good_steps": 0}', r"loss_scaler.scale is nan, not a finite"),
     ('loss_scaler={"scale": 8.0, "good_steps": -1}', r"loss_scaler.good_steps is -1, below 0"),
     ("format_version=2", r"format version 2, this evenzero reads version 1"),
+    ("plan=[]", r"plan is not an object"),
+    ('plan={"bucket_numel": 0}', r"plan.bucket_numel is 0, below 1"),
+    ('plan={"bucket_numel": 512.5}', r"plan.bucket_numel is 512.5, not an integer"),
+    ('plan={"arrival": "p0"}', r"plan.arrival is not a list"),
+    ('plan={"arrival": ["p0", 3]}', r"plan.arrival is 3, not a string"),
+    ('plan={"arrival": ["p1", "p0", "p1"]}', r"plan.arrival lists a parameter twice"),
 ])
 def test_damaged_manifest_is_an_error_naming_the_file_and_field(tmp_path, edit, message):
     spec = small_spec(SHAPES)
@@ -390,3 +396,23 @@ def test_manifest_written_before_user_state_existed_still_reads(tmp_path):
     del data["user_state"]
     (tmp_path / "manifest.json").write_text(json.dumps(data))
     assert read_manifest(tmp_path) == m and m.user_state == {}
+
+
+def test_manifest_records_the_saved_plans_choices(tmp_path):
+    """The bucket size and arrival order a load at the same world size adopts
+    (`evenzero.checkpoint.planchoices`) round-trip; manifests from before they were
+    recorded (format 1 without "plan") read as None: nothing to adopt."""
+    import dataclasses
+
+    spec = small_spec(SHAPES)
+    m = save_plain(plan(spec, 2), spec, full_values(spec, 1, 0), tmp_path)
+    assert (m.bucket_numel, m.arrival) == (None, None)
+    chosen = dataclasses.replace(m, bucket_numel=512, arrival=("p2", "p0", "p1"))
+    write_text(tmp_path / "manifest.json", chosen.dumps())
+    assert read_manifest(tmp_path) == chosen
+    data = json.loads((tmp_path / "manifest.json").read_text())
+    assert data["format_version"] == 1 and data["plan"] == {"bucket_numel": 512,
+                                                             "arrival": ["p2", "p0", "p1"]}
+    del data["plan"]
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    assert read_manifest(tmp_path) == m

@@ -95,7 +95,8 @@ def save_and_continue(rank: int, world: int, root: str, fp16: bool) -> dict:
     saved = _state(engine)
     assert engine.save_checkpoint(root, client_state={"epoch": 7, "data": torch.arange(3)})
     lrs = _train(engine, 3, 3)
-    return {"saved": saved, "final": _state(engine), "lrs": lrs}
+    return {"saved": saved, "final": _state(engine), "lrs": lrs,
+            "plan": (engine.zero.plan.bucket_numel, engine.zero.plan.arrival)}
 
 
 def resume(rank: int, world: int, root: str, fp16: bool) -> dict:
@@ -103,10 +104,11 @@ def resume(rank: int, world: int, root: str, fp16: bool) -> dict:
     engine = _engine(world, fp16)
     path, client = engine.load_checkpoint(root)
     loaded = _state(engine)
+    plan = engine.zero.plan
     lrs = _train(engine, 3, 3)
     client = {k: v.tolist() if torch.is_tensor(v) else v for k, v in client.items()}
     return {"path": path, "client": client, "loaded": loaded, "final": _state(engine),
-            "lrs": lrs}
+            "lrs": lrs, "plan": (plan.bucket_numel, plan.arrival), "note": plan.notes[-1]}
 
 
 def _close(a: dict, b: dict, tol: float) -> float:
@@ -141,6 +143,9 @@ def test_resume_same_world_size_is_exact(saved):
     _close(got["final"]["params"], ref["final"]["params"], 0.0)
     assert got["client"]["epoch"] == 7 and got["client"]["data"] == [0, 1, 2]
     assert "global_steps" not in got["client"] and "lr_scheduler" not in got["client"]
+    # No reduce_bucket_size: "auto". The saving run's plan is taken over, not refined again
+    # (evenzero.checkpoint.load under engine.load_checkpoint).
+    assert got["plan"] == ref["plan"] and "the loaded checkpoint's" in got["note"], got["note"]
 
 
 def test_resume_at_another_world_size(saved):
@@ -148,6 +153,7 @@ def test_resume_at_another_world_size(saved):
     root, ref = saved
     got = run_distributed(resume, 1, (root, False), timeout=300)[0]
     assert got["loaded"]["global_steps"] == 3 and got["lrs"] == ref["lrs"]
+    assert "the loaded checkpoint's" not in got["note"]  # its own plan for its own world
     _close(got["loaded"]["params"], ref["saved"]["params"], 0.0)
     _close(got["final"]["params"], ref["final"]["params"], 1e-5)
 

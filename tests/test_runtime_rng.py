@@ -24,8 +24,9 @@ STEPS = 6
 
 
 def build_model() -> nn.Module:
-    # Under 65,536 elements: every bucket size the auto choice can try is one bucket,
-    # so a resumed run lays the shards out as the uninterrupted one did.
+    # Under 65,536 elements: every bucket size the auto choice can try is one bucket.
+    # A resume where the refined size cuts several buckets (and would lay the shards out
+    # otherwise without the checkpoint's plan choices) is tests/test_checkpoint_planchoices.py.
     return nn.Sequential(nn.Linear(32, 64), nn.Dropout(0.25), nn.ReLU(), nn.Linear(64, 8))
 
 
@@ -180,7 +181,8 @@ def resumed_equals_uninterrupted(rank: int, world_size: int, where: str) -> None
     begin = resumed.extra["data"]["next_batch"]
     assert begin == stop_at
     rest = train(opt, model, begin, total, None, None, sched)
-    assert opt.plan.notes and "refined at run time" in opt.plan.notes[-1], opt.plan.notes
+    # The saving run's refined bucket size, taken over from the checkpoint: not refined again.
+    assert opt.plan.notes and "the loaded checkpoint's" in opt.plan.notes[-1], opt.plan.notes
     opt.close()
     assert first + rest == reference, (rank, first + rest, reference)
     for k, v in model.state_dict().items():

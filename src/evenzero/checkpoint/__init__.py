@@ -26,8 +26,11 @@ Every collective step ends in an agreement: each rank reports whether it failed 
 job raises the same `CheckpointError` on every rank, so a bad file or a full disk on one
 rank never leaves the others waiting in a collective. A load validates everything
 (manifest, checksums, names, shapes, optimizer, option values) and reads every tensor
-before it changes any state. A published checkpoint that is damaged is reported, never
-skipped for an older one.
+before it changes any value. At the saving world size it first re-plans the optimizer
+for what the saving run settled (a bucket size refined at run time, the measured
+arrival order: `evenzero.checkpoint.planchoices`), so a run resumed with the default
+`bucket_numel="auto"` executes the same plan as the run it continues. A published
+checkpoint that is damaged is reported, never skipped for an older one.
 
 To leave evenzero (or arrive from plain PyTorch), `export_consolidated(opt, path)` and
 `import_consolidated(opt, path)` (from `evenzero.checkpoint.consolidate`, re-exported here) write
@@ -60,7 +63,8 @@ from evenzero.checkpoint.deepspeed import (
     load_deepspeed,
 )
 from evenzero.checkpoint.format import CheckpointError, Manifest, step_dirname
-from evenzero.checkpoint.protocol import ShardedOptimizer
+from evenzero.checkpoint.planchoices import choices_to_adopt
+from evenzero.checkpoint.protocol import PlanChoices, ShardedOptimizer
 from evenzero.checkpoint.reader import FileSource
 from evenzero.checkpoint.staging import StagedState, apply, stage
 from evenzero.checkpoint.state import RankPlace, local_model
@@ -137,28 +141,53 @@ def load(opt: ShardedOptimizer, path: str | os.PathLike, *, tag: str | None = No
 
     `path` is a checkpoint directory, or a directory of them: then the newest published
     `step-*` one; with `tag`, `path/<tag>`. Any world size and bucket size load. Raises the
-    same `CheckpointError` on every rank if any rank finds a problem, and then no state
+    same `CheckpointError` on every rank if any rank finds a problem, and then no value
     has changed. Returns the manifest, whose `extra` is this rank's saved `extra` (the
     saving rank with the same number; rank 0's when the saving world was smaller), or
     None if that rank saved none. A background save in flight is waited for first (and
     its failure raised).
+
+    At the world size (and strategy) it was saved at, the optimizer first takes over
+    what the saving run settled about its plan (`evenzero.checkpoint.planchoices`): its
+    measured gradient-arrival order and, where `opt`'s bucket size is "auto", the bucket
+    size it had refined, which `opt` then keeps and no longer refines. The resumed run
+    so executes the saving run's plan and, with the RNG and data position restored
+    through `extra`, trains bit for bit as the run that was never interrupted. A fixed
+    bucket size is kept. If reading the tensors then fails, the plan stays re-made for
+    those choices (the values are unchanged). At another world size the optimizer keeps
+    its own choices and refines its bucket size for its own world.
     """
     background.wait()
     place = RankPlace.of(opt)
+    doing = f"loading {path}" + (f" tag {tag!r}" if tag is not None else "")
 
-    def read() -> tuple[Manifest, StagedState]:
+    def find() -> tuple[Path, Manifest, PlanChoices | None]:
         found = checkpoint_io.resolve(Path(path), tag)
         manifest = checkpoint_io.read_manifest(found)
         check_compatible(manifest, local_model(opt, place), str(found))
-        with FileSource(found, manifest) as source:
+        return found, manifest, choices_to_adopt(manifest, opt, place, str(found))
+
+    located, err = attempt(find)
+    # Every rank re-plans alike, or none does: the same checkpoint, the same choices.
+    agree(place, err, doing, same=zlib.crc32(repr((located[1].step, located[2])).encode())
+          if located else -1,
+          differ=f"ranks found different checkpoints (this rank: step "
+                 f"{located[1].step if located else '?'}); another job may be saving into "
+                 f"the same directory")
+    directory, manifest, choices = located
+
+    def read() -> tuple[Manifest, StagedState]:
+        if choices is not None:
+            # Collective, and before staging: the shards are read for the adopted plan.
+            # Nothing here can fail on one rank only: every rank passes the same choices.
+            opt.adopt_plan_choices(choices)
+        with FileSource(directory, manifest) as source:
             staged = stage(opt, place, source)
-        return dataclasses.replace(manifest, extra=read_user_state(found, manifest,
+        return dataclasses.replace(manifest, extra=read_user_state(directory, manifest,
                                                                    place.rank)), staged
 
     result, err = attempt(read)
-    step = result[0].step if result else -1
-    agree(place, err, f"loading {path}" + (f" tag {tag!r}" if tag is not None else ""),
-          same=step)
+    agree(place, err, doing, same=manifest.step)
     manifest, staged = result
     apply(opt, staged)
     return manifest

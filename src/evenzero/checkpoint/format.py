@@ -170,6 +170,14 @@ class Manifest:
     user_state: Mapping[int, str] = field(default_factory=dict)
     """Saving rank -> file holding the `extra=` state it passed to `save` (ranks that
     passed none are absent)."""
+    bucket_numel: int | None = None
+    """The saved plan's bucket size (elements) once the saving run kept it (fixed,
+    refined at run time or loaded); None where the strategy cuts no buckets, while an
+    "auto" size was still to be refined, and in checkpoints written before it was
+    recorded. A load at the same world size adopts it (`protocol.PlanChoices`)."""
+    arrival: tuple[str, ...] | None = None
+    """The gradient-arrival order the saved plan was made for, when measured; None
+    while it was the assumed one, and in checkpoints written before it was recorded."""
     extra: Any = None
     """Set by `load` only, never stored here: this rank's saved `extra` state (the state
     of the saving rank with the same number; rank 0's when the saving world had no such
@@ -187,6 +195,8 @@ class Manifest:
             "params": {p.key: param_json(p) for p in self.params},
             "extras": {t.name: {"shape": list(t.shape), "dtype": t.dtype} for t in self.extras},
             "user_state": {str(r): name for r, name in sorted(self.user_state.items())},
+            "plan": {"bucket_numel": self.bucket_numel,
+                     "arrival": None if self.arrival is None else list(self.arrival)},
         }
 
     @staticmethod
@@ -314,6 +324,24 @@ def _scaler_parse(state: Any) -> Any:
     return state
 
 
+def _plan_parse(data: Any) -> tuple[int | None, tuple[str, ...] | None]:
+    """(bucket size, arrival order) of the saved plan; (None, None) in manifests written
+    before they were recorded (the format is the same: absent fields read as None)."""
+    if data is None:
+        return None, None
+    if not isinstance(data, Mapping):
+        raise _Damaged("plan is not an object")
+    numel = data.get("bucket_numel")
+    arrival = data.get("arrival")
+    if arrival is not None:
+        if not isinstance(arrival, list):
+            raise _Damaged("plan.arrival is not a list")
+        arrival = tuple(_text(n, "plan.arrival") for n in arrival)
+        if len(set(arrival)) != len(arrival):
+            raise _Damaged("plan.arrival lists a parameter twice")
+    return None if numel is None else _whole(numel, "plan.bucket_numel", 1), arrival
+
+
 def _parse(data: Any, where: str) -> Manifest:
     if not isinstance(data, Mapping) or data.get("format") != FORMAT:
         raise CheckpointError(f"{where}: not an evenzero checkpoint manifest")
@@ -347,11 +375,12 @@ def _parse(data: Any, where: str) -> Manifest:
             raise _Damaged(f"user_state entry {r!r}: {name!r} is not a listed file of a rank "
                           f"below {world}")
         user_state[int(r)] = name
+    bucket_numel, arrival = _plan_parse(data.get("plan"))
     return Manifest(_whole(data["step"], "step"), _whole(data["step_count"], "step_count"), world,
                     _text(data["strategy"], "strategy"),
                     _text(data["library_version"], "library_version"),
                     _text(opt["class"], "optimizer.class"), groups, tuple(params), files, extras,
-                    _scaler_parse(data.get("loss_scaler")), user_state)
+                    _scaler_parse(data.get("loss_scaler")), user_state, bucket_numel, arrival)
 
 
 def _check_coverage(p: StoredParam, files: set[str], where: str) -> None:

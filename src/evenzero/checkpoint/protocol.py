@@ -28,13 +28,16 @@ re-gathers the model's parameters from the masters.
 
 Beyond the shards: the model (`module`: buffers and frozen parameters are saved whole),
 the options the optimizer class defines (`defaults`, checked present in a checkpoint),
-where the ranks agree (`world_group`, `control_device`) and the loss scaler
-(`loss_scaler`, read when a DeepSpeed loss scale is carried over).
+where the ranks agree (`world_group`, `control_device`), the loss scaler
+(`loss_scaler`, read when a DeepSpeed loss scale is carried over), and what the run
+settled about its plan while it ran (`plan_choices`: the bucket size an "auto" one was
+refined to, the measured arrival order), which a load at the same world size hands back
+(`adopt_plan_choices`) so that the resumed run executes the plan the saving run did.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol, TypedDict, runtime_checkable
 
 import torch
@@ -53,6 +56,20 @@ class GroupShard(TypedDict):
     """The torch param group's options, without "params"."""
     stepped: Collection[str]
     """Parameters (with elements in this shard) stepped at least once."""
+
+
+class PlanChoices(TypedDict):
+    """What a run settled about its plan at run time. A run resumed at the same world
+    size takes it over and so lays out its buckets and shards as the saving run did:
+    the step check's chunked norm then sums in the same order, bit for bit."""
+
+    bucket_numel: int | None
+    """The bucket size (elements) the run keeps: fixed, refined at run time or loaded.
+    None while an "auto" size is still to be refined, or where the strategy cuts no
+    buckets."""
+    arrival: Sequence[str] | None
+    """The gradient-arrival order the plan is made for, once measured (or loaded); None
+    while it is the assumed one."""
 
 
 class ScaleSchedule(Protocol):
@@ -157,4 +174,15 @@ class ShardedOptimizer(Protocol):
                          loss_scaler: Mapping[str, Any] | None) -> None:
         """Replace every group's state (all groups at once), the step counter (None:
         keep) and the loss scaler (None: keep); then re-gather the parameters."""
+        ...
+
+    def plan_choices(self) -> PlanChoices:
+        """What this run settled about its plan so far (the same on every rank)."""
+        ...
+
+    def adopt_plan_choices(self, choices: PlanChoices) -> None:
+        """Take over a saved run's choices: its arrival order counts as measured; an
+        "auto" bucket size becomes its `bucket_numel` and is no longer refined, a fixed
+        one is kept; None leaves that choice to this run. Re-plans (moving the shards)
+        where the executed plan changes: a collective, every rank passes the same."""
         ...

@@ -48,7 +48,8 @@ from evenzero.checkpoint.format import (
     param_parse,
     rank_file,
 )
-from evenzero.checkpoint.protocol import ShardedOptimizer
+from evenzero.checkpoint.planchoices import saved_choices
+from evenzero.checkpoint.protocol import PlanChoices, ShardedOptimizer
 from evenzero.checkpoint.reshard import runs_index, split_shard
 from evenzero.checkpoint.staging import OptimizerSource, StagedState, stage
 from evenzero.checkpoint.state import RankPlace, local_params, optimizer_class
@@ -78,6 +79,9 @@ class RankSnapshot:
     optimizer_class: str
     user: EncodedUserState | None
     """This rank's `extra=` state, or None."""
+    choices: PlanChoices
+    """What the run settled about its plan (recorded in the manifest, which a load at
+    the same world size adopts)."""
 
     def nbytes(self) -> int:
         """Bytes of tensor data this snapshot holds (shards, extras, `extra=` tensors)."""
@@ -100,7 +104,7 @@ def snapshot(opt: ShardedOptimizer, place: RankPlace, extra: Any,
                         params=local_params(opt),
                         group_sizes={g.name: g.size for g in opt.plan.groups},
                         strategy=opt.plan.strategy, optimizer_class=optimizer_class(opt),
-                        user=user)
+                        user=user, choices=saved_choices(opt))
 
 
 def publish(snap: RankSnapshot, place: RankPlace, root: Path, name: str, step: int) -> Path:
@@ -169,7 +173,8 @@ def finalise(snap: RankSnapshot, staging: Path, final: Path, step: int,
         optimizer_class=snap.optimizer_class, groups=groups, params=params,
         files=tuple(i.file for i in indices) + users + ((extras_record,) if extras_record else ()),
         extras=extras, loss_scaler=encode_value(dict(scaler)) if scaler is not None else None,
-        user_state={u.rank: u.name for u in users})
+        user_state={u.rank: u.name for u in users}, bucket_numel=snap.choices["bucket_numel"],
+        arrival=snap.choices["arrival"])
     # Parse what we are about to publish: a manifest that does not tile every parameter
     # would only be caught at load time, when the previous checkpoint may be gone.
     Manifest.from_json(manifest.to_json(), str(staging / MANIFEST))

@@ -153,8 +153,13 @@ class BackwardDriver:
             self.hooks.take_arrival()
             self.life.measuring = self.refine.pending
 
+    @property
+    def refining(self) -> bool:
+        """Whether an "auto" bucket size is still to be refined from this run's timings."""
+        return self.refine.pending
+
     def stop_refining(self) -> None:
-        """The bucket size is fixed from now on (a loaded state dict's)."""
+        """The bucket size is fixed from now on (a loaded state dict's or checkpoint's)."""
         self.refine.clock = self.hooks.clock = None
         self.life.measuring = self.hooks.arrival is not None
 

@@ -399,6 +399,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if step_count is not None:
             self.step_count = int(step_count)
 
+    def plan_choices(self) -> dict[str, Any]:
+        """What this run settled about its plan (`evenzero.checkpoint.protocol.PlanChoices`):
+        the bucket size once it is no longer refined, the arrival order once measured."""
+        return self._states.plan_choices()
+
+    def adopt_plan_choices(self, choices: Mapping[str, Any]) -> None:
+        """Take over a saved run's `PlanChoices` (a collective, every rank alike): its
+        arrival order counts as measured; an "auto" bucket size becomes its
+        `bucket_numel` and is no longer refined, a fixed one is kept."""
+        self._states.adopt_plan_choices(choices)
+
     def master_shard(self, group: str) -> torch.Tensor:
         """This rank's flat master shard of `group` (padding included, zeros). A copy for
         groups whose masters are the parameters' own memory (fp32 parameters)."""

@@ -11,14 +11,16 @@ sharded state only through its `GroupShard` (via the engine):
 * `shard_state()` / `load_shard_state()` and the other members of
   `evenzero.checkpoint.protocol.ShardedOptimizer`, through which the checkpoint package
   saves and reshards without knowing the optimizer's internals (and without either
-  package importing the other).
+  package importing the other);
+* `adopt_plan()`: the one way a saved run's arrival order and bucket size become this
+  run's, for a state dict and for a checkpoint's `PlanChoices` alike.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping, MutableSequence
+from collections.abc import Mapping, MutableSequence, Sequence
 from typing import Any
 
 import torch
@@ -103,16 +105,27 @@ class StateDictIO:
         arrivals = self._agree_load(problem, arrival)
         order, numel = arrivals[0]
         # An "auto" bucket size becomes the saved one: the shards are laid out for it.
-        adopt = self.plans.config.auto_bucket and numel is not None
-        if order != self.plans.plan.arrival or adopt:
-            if adopt:
-                self.backward.stop_refining()
-            self.plans.replan(arrival=order, bucket_numel=numel if adopt else None,
-                              note=f"bucket_numel auto: {numel:,} elements, the loaded state "
-                                   f"dict's" if adopt else None)
+        self.adopt_plan(order, numel, "the loaded state dict's")
         problem = mismatch(state_dict, self._identity(), sizes) or self._check_shards(state_dict)
         self._agree_load(problem, arrivals[0])
         return self._apply_state_dict(state_dict, param_groups)
+
+    def adopt_plan(self, arrival: Sequence[str] | None, bucket_numel: int | None,
+                   source: str) -> None:
+        """Re-plan for a saved run's arrival order (None: keep this plan's) and bucket
+        size: an "auto" one becomes `bucket_numel` and is no longer refined; a fixed one,
+        or None, is kept. `source` names where they come from, in the plan's note.
+        Collective where the executed plan changes: every rank calls it alike."""
+        order = None if arrival is None else tuple(arrival)
+        adopt = self.plans.config.auto_bucket and bucket_numel is not None
+        if not adopt and (order is None or order == self.plans.plan.arrival):
+            return
+        self.engine.gathers.wait()
+        if adopt:
+            self.backward.stop_refining()
+        self.plans.replan(arrival=order, bucket_numel=bucket_numel if adopt else None,
+                          note=f"bucket_numel auto: {bucket_numel:,} elements, {source}"
+                          if adopt else None)
 
     def _identity(self) -> RankIdentity:
         plan = self.plans.plan
@@ -205,6 +218,22 @@ class StateDictIO:
             saved = copy.deepcopy(dict(shard["hyperparameters"]))
             kept = {} if replace_groups else {k: v for k, v in user.items() if k not in saved}
             param_groups[i] = {**saved, **kept, "params": user["params"]}
+
+    def plan_choices(self) -> dict[str, Any]:
+        """`evenzero.checkpoint.protocol.PlanChoices`: the bucket size once it is no
+        longer refined, the arrival order once measured (or loaded)."""
+        plan = self.plans.plan
+        return {"bucket_numel": None if self.backward.refining else plan.bucket_numel,
+                "arrival": plan.arrival if self.backward.arrival_measured else None}
+
+    def adopt_plan_choices(self, choices: Mapping[str, Any]) -> None:
+        """Take over a loaded checkpoint's `PlanChoices` (`adopt_plan`); its arrival
+        order counts as measured, so none is measured here."""
+        arrival = choices.get("arrival")
+        self.adopt_plan(arrival, choices.get("bucket_numel"),
+                        "the loaded checkpoint's (the saving run's choice, kept)")
+        if arrival is not None:
+            self.backward.adopt_measured_arrival()
 
     def group(self, name: str) -> GroupShard:
         """The shard of plan group `name`; KeyError naming the groups if there is none."""

@@ -36,7 +36,7 @@ from evenzero.checkpoint.deepspeed.load import DeepSpeedSource
 from evenzero.checkpoint.deepspeed.optim_state import saved_decoupled
 from evenzero.checkpoint.deepspeed.reader import DeepSpeedFiles, FlatGroup, read_deepspeed
 from evenzero.checkpoint.format import MASTER, CheckpointError
-from evenzero.checkpoint.protocol import GroupShard
+from evenzero.checkpoint.protocol import GroupShard, PlanChoices
 from evenzero.checkpoint.staging import apply, stage
 from evenzero.checkpoint.state import RankPlace
 from evenzero.spec import GroupSpec, ModelSpec, ParamSpec
@@ -99,6 +99,13 @@ class OfflineRun:
     def check_loss_scaler_state(self, state: Mapping[str, Any]) -> None:
         if self.loss_scaler is not None:
             copy.deepcopy(self.loss_scaler).load_state_dict(dict(state))
+
+    def plan_choices(self) -> PlanChoices:
+        # Nothing measured: a load of the converted checkpoint plans for its own run.
+        return {"bucket_numel": None, "arrival": None}
+
+    def adopt_plan_choices(self, choices: PlanChoices) -> None:
+        """Nothing to adopt: the stand-in runs no backward and cuts no buckets of its own."""
 
     def load_shard_state(self, shards: Mapping[str, GroupShard], step_count: int | None,
                          loss_scaler: Mapping[str, Any] | None) -> None:
