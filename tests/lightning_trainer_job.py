@@ -9,6 +9,9 @@ and `trainer.fit(model, loader, ckpt_path=...)`. The only lines evenzero needs a
 
     python tests/lightning_trainer_job.py --spec spec.json
 
+With LIGHTNING_PACKAGE=pytorch_lightning the script uses the standalone
+`pytorch_lightning` package instead of `lightning.pytorch` (imported before evenzero's).
+
 Lightning launches the other ranks itself (it re-runs this script). The spec lists
 runs, done one after another in the same processes; each writes
 `<out>/<name>-rank<r>.json` with the losses of every micro-batch, the learning rates,
@@ -24,15 +27,20 @@ import os
 import sys
 from pathlib import Path
 
-import lightning as L
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import evenzero.lightning  # noqa: F401 - registers strategy="evenzero"
+if os.environ.get("LIGHTNING_PACKAGE") == "pytorch_lightning":
+    import pytorch_lightning as L
+else:
+    import lightning.pytorch as L
+
+import evenzero.lightning  # noqa: E402 - registers strategy="evenzero"
+
+Callback, ModelCheckpoint = L.callbacks.Callback, L.callbacks.ModelCheckpoint
 
 DIM, HIDDEN, SAMPLES = 16, 32, 96
 
@@ -47,12 +55,15 @@ def dataset() -> TensorDataset:
 
 class Regressor(L.LightningModule):
     def __init__(self, scheduler: str = "onecycle", lr: float = 0.02, total_steps: int = 8,
-                 optimizers: int = 1, return_none_at: int = -1) -> None:
+                 optimizers: int = 1, return_none_at: int = -1, manual: bool = False,
+                 note: object = None) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.automatic_optimization = not manual
         self.net = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN),
                                  nn.Tanh(), nn.Linear(HIDDEN, 1))
         self.record: list[dict] = []
+        self.tested: list[float] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -63,9 +74,21 @@ class Regressor(L.LightningModule):
         self.log("train_loss", loss, on_step=True, on_epoch=True, sync_dist=True)
         self.record.append({"loss": loss.item(), "step": self.trainer.global_step,
                             "lr": self.trainer.optimizers[0].param_groups[0]["lr"]})
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            self.manual_backward(loss)
+            self.clip_gradients(opt, gradient_clip_val=0.3, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
+            self.lr_schedulers().step()
+            return loss
         if batch_idx == self.hparams.return_none_at:
             return None
         return loss
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.tested.append(F.mse_loss(self(x).float(), y.float()).item())
 
     def configure_optimizers(self):
         decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
@@ -119,7 +142,9 @@ def run(spec: dict, out: Path, devices: int) -> None:
     model = Regressor(scheduler=spec.get("scheduler", "onecycle"),
                       total_steps=spec.get("total_steps", 8),
                       optimizers=spec.get("optimizers", 1),
-                      return_none_at=spec.get("return_none_at", -1))
+                      return_none_at=spec.get("return_none_at", -1),
+                      manual=spec.get("manual", False),
+                      note=Path(spec["note_path"]) if spec.get("note_path") else None)
     batch = spec.get("global_batch", 12) // devices
     loader = DataLoader(dataset(), batch_size=batch, shuffle=False)
     trace = StepTrace()
@@ -131,13 +156,12 @@ def run(spec: dict, out: Path, devices: int) -> None:
     if isinstance(strategy, dict):  # {"evenzero": {ZeroConfig fields}}
         (name, options), = strategy.items()
         options = {k: getattr(torch, v) if k.endswith("dtype") else v for k, v in options.items()}
-        strategy = evenzero.lightning.EvenZeroStrategy(**options)
+        strategy = (evenzero.lightning.standalone if L.__name__ == "pytorch_lightning"
+                    else evenzero.lightning).EvenZeroStrategy(**options)
     plugins = []
     precision = spec.get("precision", "32-true")
     if precision == "16-mixed-cpu":  # fp16 autocast and a GradScaler on the CPU
-        from lightning.pytorch.plugins.precision import MixedPrecision
-
-        plugins, precision = [MixedPrecision("16-mixed", "cpu")], None
+        plugins, precision = [L.plugins.precision.MixedPrecision("16-mixed", "cpu")], None
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy,
                         precision=precision, plugins=plugins,
                         max_epochs=spec.get("epochs", 2),
@@ -150,7 +174,10 @@ def run(spec: dict, out: Path, devices: int) -> None:
                         default_root_dir=str(out))
     result: dict = {"error": None}
     try:
-        trainer.fit(model, loader, ckpt_path=spec.get("resume"))
+        if spec.get("test_only"):
+            trainer.test(model, loader, ckpt_path=spec["test_only"], verbose=False)
+        else:
+            trainer.fit(model, loader, ckpt_path=spec.get("resume"))
         if spec.get("save_path"):
             trainer.save_checkpoint(spec["save_path"],
                                     weights_only=spec.get("save_weights_only", False))
@@ -161,7 +188,7 @@ def run(spec: dict, out: Path, devices: int) -> None:
             raise
         result["error"] = f"{type(e).__name__}: {e}"
     rank = dist.get_rank() if dist.is_initialized() else 0
-    result.update(record=model.record, trace=trace.steps,
+    result.update(record=model.record, trace=trace.steps, tested=model.tested,
                   params=[p.detach().double().flatten().tolist() for p in model.parameters()],
                   global_step=trainer.global_step, epoch=trainer.current_epoch)
     (out / f"{spec['name']}-rank{rank}.json").write_text(json.dumps(result))

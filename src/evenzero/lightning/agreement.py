@@ -22,7 +22,8 @@ def raise_on_every_rank(problem: str | None, error: type[Exception] = ZeroConfig
         return
     found: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(found, problem)
-    for rank, message in enumerate(found):
-        if message:
-            mine = rank == dist.get_rank()
-            raise error(message if mine else f"rank {rank}: {message}")
+    if problem:
+        raise error(problem)
+    rank, message = next((r, m) for r, m in enumerate(found) if m) if any(found) else (0, None)
+    if message:
+        raise error(f"rank {rank}: {message}")

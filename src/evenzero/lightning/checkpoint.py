@@ -77,9 +77,20 @@ def prepare(path: Path) -> tuple[Path | None, str | None]:
         return None, f"{path}: cannot prepare the checkpoint directory ({e})"
 
 
+UNSTORABLE = ("evenzero stores Lightning's checkpoint entries (hyperparameters, callback, loop and "
+              "scheduler state, what on_save_checkpoint adds) as plain values, without pickle: "
+              "make that entry a plain value (e.g. str() of a path), or drop it in "
+              "on_save_checkpoint")
+
+
 def save(zero: Any, path: Path, extra: Any) -> Path:
     """Every rank: the sharded checkpoint with `extra` (after `prepare` on rank 0)."""
-    return sharded.save(zero, path, extra=extra, tag=TAG)
+    try:
+        return sharded.save(zero, path, extra=extra, tag=TAG)
+    except sharded.CheckpointError as e:
+        if "extra[" not in str(e):
+            raise
+        raise sharded.CheckpointError(f"{e}. {UNSTORABLE}") from e
 
 
 def load(zero: Any, path: Path) -> Any:
