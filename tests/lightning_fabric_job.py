@@ -50,7 +50,7 @@ def build(fabric: L.Fabric):
 
 def train(fabric, model, optimizer, scheduler, loader, start: int, save_at: int | None,
           path: Path, precision_loss) -> dict:
-    record = {"loss": [], "norm": [], "lr": []}
+    record = {"loss": [], "norm": [], "lr": [], "trace": []}
     step = 0
     micro = 0
     for _ in range(EPOCHS):
@@ -72,6 +72,10 @@ def train(fabric, model, optimizer, scheduler, loader, start: int, save_at: int 
             optimizer.zero_grad()
             step = micro // ACCUMULATE
             record["lr"].append(optimizer.param_groups[0]["lr"])
+            zero = getattr(fabric.strategy, "zero_optimizer", None)
+            if zero is not None:  # backward collectives issued in this step, and planned
+                record["trace"].append((sum(1 for c in zero.trace if c.phase == "backward"),
+                                        len(zero.plan.backward())))
             if save_at is not None and step == save_at:
                 fabric.save(path, {"model": model, "optimizer": optimizer,
                                    "scheduler": scheduler, "step": step})
@@ -113,8 +117,15 @@ def run(strategy: str, args: argparse.Namespace) -> None:
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
     remainder = fabric.load(path, state)
     resumed = train(fabric, model, optimizer, scheduler, loader, state["step"], None, path, mse)
+    # Inference: fabric.setup(model) without an optimizer starts every rank from rank 0's
+    # weights, as DDP's wrapper does.
+    torch.manual_seed(fabric.global_rank)
+    evaluator = fabric.setup(nn.Linear(DIM, 1))
+    first = [p.detach().clone() for p in evaluator.parameters()]
+    fabric.barrier()
+    synced = all(torch.equal(a, b) for a, b in zip(first, fabric.broadcast(first, 0), strict=True))
     result = {"straight": straight, "resumed": resumed, "resumed_from": state["step"],
-              "remainder": sorted(remainder)}
+              "remainder": sorted(remainder), "inference_synced": synced}
     (out / f"{strategy}-rank{fabric.global_rank}.json").write_text(json.dumps(result))
     fabric.barrier()
 

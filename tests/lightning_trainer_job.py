@@ -64,12 +64,20 @@ class Regressor(L.LightningModule):
                                  nn.Tanh(), nn.Linear(HIDDEN, 1))
         self.record: list[dict] = []
         self.tested: list[float] = []
+        self.seen = 0  # module state outside parameters and buffers (get_extra_state)
+
+    def get_extra_state(self):
+        return {"seen": self.seen}
+
+    def set_extra_state(self, state) -> None:
+        self.seen = state["seen"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
+        self.seen += 1
         loss = F.mse_loss(self(x).float(), y.float())
         self.log("train_loss", loss, on_step=True, on_epoch=True, sync_dist=True)
         self.record.append({"loss": loss.item(), "step": self.trainer.global_step,
@@ -188,7 +196,7 @@ def run(spec: dict, out: Path, devices: int) -> None:
             raise
         result["error"] = f"{type(e).__name__}: {e}"
     rank = dist.get_rank() if dist.is_initialized() else 0
-    result.update(record=model.record, trace=trace.steps, tested=model.tested,
+    result.update(record=model.record, trace=trace.steps, tested=model.tested, seen=model.seen,
                   params=[p.detach().double().flatten().tolist() for p in model.parameters()],
                   global_step=trainer.global_step, epoch=trainer.current_epoch)
     (out / f"{spec['name']}-rank{rank}.json").write_text(json.dumps(result))

@@ -161,6 +161,8 @@ def test_resume_at_one_rank_continues_the_two_rank_run(two_ranks, one_rank):
     reference = global_losses(two_ranks, "evenzero", 2)[EPOCH:]
     resumed = result(one_rank, "resume-sharded", 0)
     assert resumed["error"] is None and resumed["global_step"] == 8
+    # get_extra_state() (not a tensor) came back: 8 micro-batches before, 8 after
+    assert resumed["seen"] == result(two_ranks, "evenzero", 0)["seen"] == 2 * EPOCH
     assert max_rel(reference, losses(resumed["record"])) <= FP32_LOSS_RTOL
     final = flat(result(two_ranks, "evenzero", 0)["params"])
     assert max_abs(final, flat(resumed["params"])) <= FP32_PARAM_ATOL
@@ -172,6 +174,7 @@ def test_resume_from_a_ddp_checkpoint_file(two_ranks, one_rank):
     reference = global_losses(two_ranks, "ddp", 2)[EPOCH:]
     resumed = result(one_rank, "resume-ddp-file", 0)
     assert max_rel(reference, losses(resumed["record"])) <= FP32_LOSS_RTOL
+    assert resumed["seen"] == 2 * EPOCH
     final = flat(result(two_ranks, "ddp", 0)["params"])
     assert max_abs(final, flat(resumed["params"])) <= FP32_PARAM_ATOL
 
@@ -179,6 +182,7 @@ def test_resume_from_a_ddp_checkpoint_file(two_ranks, one_rank):
 def test_test_only_reads_a_sharded_checkpoint_in_a_new_process(two_ranks, one_rank):
     tested = result(one_rank, "test-only", 0)
     assert tested["error"] is None and len(tested["tested"]) == EPOCH
+    assert tested["seen"] == 2 * EPOCH
     final = flat(result(two_ranks, "evenzero", 0)["params"])
     assert max_abs(final, flat(tested["params"])) == 0.0
 

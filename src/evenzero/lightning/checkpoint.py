@@ -10,7 +10,8 @@ becomes a directory, as under Lightning's FSDP and DeepSpeed strategies:
 
 Every rank writes its own shard of the fp32 masters and optimizer state; the model's
 weights are not written separately (they are the masters, in the model's dtype, and
-the buffers, which rank 0 writes). Lightning's own state (epoch, global step, loops,
+the buffers, which rank 0 writes; non-tensor `get_extra_state()` entries go with the
+state below). Lightning's own state (epoch, global step, loops,
 callbacks, LR schedulers, hyperparameters, ...) goes into the checkpoint's `extra`
 under "lightning" (Fabric's: under "fabric"), stored without pickle, so loading runs no
 code from the file. Loading works at any world size: `evenzero.checkpoint.load`
@@ -29,6 +30,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+import torch
 
 import evenzero.checkpoint as sharded
 
@@ -98,6 +101,24 @@ def load(zero: Any, path: Path) -> Any:
     returns this rank's `extra`."""
     manifest = sharded.load(zero, path, tag=TAG)
     return manifest.extra
+
+
+MODULE_EXTRA = "module_extra_state"
+"""Where the non-tensor entries of the module's state dict go (`get_extra_state()`
+values): evenzero's shards hold the tensors only."""
+
+
+def with_module_extra(extra: dict[str, Any], module: Any) -> dict[str, Any]:
+    """`extra` plus the module's state-dict entries that are not tensors, if any."""
+    loose = {k: v for k, v in module.state_dict().items() if not isinstance(v, torch.Tensor)}
+    return {**extra, MODULE_EXTRA: loose} if loose else extra
+
+
+def restore_module_extra(extra: Any, module: Any) -> None:
+    """Give the module back what `with_module_extra` saved (`set_extra_state`)."""
+    loose = extra.get(MODULE_EXTRA) if isinstance(extra, dict) else None
+    if loose:
+        module.load_state_dict(loose, strict=False)
 
 
 def section(extra: Any, key: str, path: Path) -> Any:

@@ -138,7 +138,11 @@ class FabricStrategyMixin:
         if dist.is_available() and dist.is_initialized():
             with torch.no_grad():
                 for t in list(module.parameters()) + list(module.buffers()):
-                    dist.broadcast(t.data, 0)
+                    # gloo moves no bools
+                    carrier = t.data.to(torch.uint8) if t.dtype == torch.bool else t.data
+                    dist.broadcast(carrier, 0)
+                    if carrier is not t.data:
+                        t.data.copy_(carrier)
         return module
 
     def setup_optimizer(self, optimizer: Any) -> Any:
@@ -180,8 +184,8 @@ class FabricStrategyMixin:
         where, problem = self.broadcast((str(where), problem))
         if problem:
             raise CheckpointError(problem)
-        lckpt.save(self._zero, Path(where),
-                   {"fabric": {"model": keys[0], "optimizer": keys[1], "state": rest}})
+        extra = {"fabric": {"model": keys[0], "optimizer": keys[1], "state": rest}}
+        lckpt.save(self._zero, Path(where), lckpt.with_module_extra(extra, self._zero_module))
         if aside is not None:
             aside.unlink(missing_ok=True)
 
@@ -201,7 +205,9 @@ class FabricStrategyMixin:
                                   f"needs the state to restore: fabric.load(path, {{'model': model, "
                                   f"'optimizer': optimizer, ...}})")
         self._own_keys(state, "fabric.load")
-        saved = lckpt.section(lckpt.load(self._zero, where), "fabric", where)
+        extra = lckpt.load(self._zero, where)
+        lckpt.restore_module_extra(extra, self._zero_module)
+        saved = lckpt.section(extra, "fabric", where)
         rest = dict(saved["state"])
         own = {saved["model"], saved["optimizer"]}
         wanted = [k for k in state if k not in own and unwrap_optimizer(state[k]) is not self._zero

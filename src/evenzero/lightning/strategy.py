@@ -208,7 +208,8 @@ class TrainerStrategyMixin:
         if problem:
             raise CheckpointError(problem)
         state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        lckpt.save(self._zero, Path(where), {"lightning": state})
+        extra = lckpt.with_module_extra({"lightning": state}, self.lightning_module)
+        lckpt.save(self._zero, Path(where), extra)
         if aside is not None:
             aside.unlink(missing_ok=True)
 
@@ -242,8 +243,13 @@ class TrainerStrategyMixin:
                                                  and "optimizer_states" in loaded)
             return loaded
         if self._zero is not None:
-            return lckpt.section(lckpt.load(self._zero, path), "lightning", path)
+            return self._load_sharded(path)
         return self._load_without_training(path)
+
+    def _load_sharded(self, path: Path) -> dict:
+        extra = lckpt.load(self._zero, path)
+        lckpt.restore_module_extra(extra, self.lightning_module)
+        return lckpt.section(extra, "lightning", path)
 
     def _load_without_training(self, path: Path) -> dict:
         """validate/test/predict from a sharded checkpoint, or fit without an optimizer:
@@ -263,7 +269,7 @@ class TrainerStrategyMixin:
             raise CheckpointError(f"loading {path}: configure_optimizers() returned no optimizer; "
                                   f"the weights of an evenzero checkpoint are read through it")
         try:
-            return lckpt.section(lckpt.load(self._zero, path), "lightning", path)
+            return self._load_sharded(path)
         finally:
             self._close_zero()
             self._reset_optimizers_and_schedulers()
