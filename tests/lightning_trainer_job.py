@@ -170,16 +170,20 @@ def run(spec: dict, out: Path, devices: int) -> None:
     precision = spec.get("precision", "32-true")
     if precision == "16-mixed-cpu":  # fp16 autocast and a GradScaler on the CPU
         plugins, precision = [L.plugins.precision.MixedPrecision("16-mixed", "cpu")], None
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy,
-                        precision=precision, plugins=plugins,
-                        max_epochs=spec.get("epochs", 2),
-                        accumulate_grad_batches=spec.get("accumulate", 2),
-                        gradient_clip_val=spec.get("clip"),
-                        gradient_clip_algorithm=spec.get("clip_algorithm"),
-                        callbacks=callbacks, logger=False,
-                        enable_checkpointing=bool(spec.get("save_dir")),
-                        enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=str(out))
+
+    def make_trainer(strategy, callbacks):
+        return L.Trainer(accelerator="cpu", devices=devices, strategy=strategy,
+                         precision=precision, plugins=plugins,
+                         max_epochs=spec.get("epochs", 2),
+                         accumulate_grad_batches=spec.get("accumulate", 2),
+                         gradient_clip_val=spec.get("clip"),
+                         gradient_clip_algorithm=spec.get("clip_algorithm"),
+                         callbacks=callbacks, logger=False,
+                         enable_checkpointing=bool(spec.get("save_dir")),
+                         enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(out))
+
+    trainer = make_trainer(strategy, callbacks)
     result: dict = {"error": None}
     try:
         if spec.get("test_only"):
@@ -191,6 +195,9 @@ def run(spec: dict, out: Path, devices: int) -> None:
                                     weights_only=spec.get("save_weights_only", False))
         if spec.get("test_ckpt"):
             trainer.test(model, loader, ckpt_path=spec["test_ckpt"], verbose=False)
+        if spec.get("refit"):  # a new Trainer trains the same model on; the first is dropped
+            trainer = make_trainer(spec["strategy"], [trace])
+            trainer.fit(model, loader)
     except Exception as e:  # noqa: BLE001 - recorded for the test to read
         if not spec.get("expect_error"):
             raise

@@ -103,3 +103,14 @@ def _conversion_problems(rank, world):
 
 def test_conversion_problems_and_agreement():
     run_distributed(_conversion_problems, 2, timeout=300)
+
+
+def test_import_evenzero_does_not_import_lightning():
+    import subprocess
+    import sys
+
+    code = ("import sys, evenzero, evenzero.runtime, evenzero.checkpoint, evenzero.deepspeed\n"
+            "loaded = sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('lightning', 'pytorch_lightning', 'lightning_fabric'))\n"
+            "assert not loaded, loaded\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

@@ -85,6 +85,7 @@ def one_rank(two_ranks, tmp_path_factory):
          "resume": str(two_ranks / "ddp-ckpt" / "epoch=0-step=4.ckpt")},
         {"name": "test-only", "strategy": "evenzero",
          "test_only": str(two_ranks / "ez-ckpt" / "last.ckpt")},
+        {"name": "refit", "strategy": "evenzero", "epochs": 1, "refit": True},
     ]
     return run_trainer_job(out, 1, runs)
 
@@ -146,7 +147,9 @@ def test_weights_only_save_is_a_plain_lightning_file(two_ranks):
     ckpt = torch.load(two_ranks / "weights.ckpt", weights_only=False)
     assert "optimizer_states" not in ckpt and ckpt["global_step"] == 8
     final = flat(result(two_ranks, "evenzero", 0)["params"])
-    saved = [v for t in ckpt["state_dict"].values() for v in t.double().flatten().tolist()]
+    state = dict(ckpt["state_dict"])
+    assert state.pop("_extra_state") == {"seen": 2 * EPOCH}
+    saved = [v for t in state.values() for v in t.double().flatten().tolist()]
     assert max_abs(final, saved) == 0.0
 
 
@@ -185,6 +188,13 @@ def test_test_only_reads_a_sharded_checkpoint_in_a_new_process(two_ranks, one_ra
     assert tested["seen"] == 2 * EPOCH
     final = flat(result(two_ranks, "evenzero", 0)["params"])
     assert max_abs(final, flat(tested["params"])) == 0.0
+
+
+def test_a_new_trainer_trains_the_same_model_on(one_rank):
+    # The first Trainer's optimizer still held the module; a new one may take it over.
+    refit = result(one_rank, "refit", 0)
+    assert refit["error"] is None and refit["global_step"] == 4
+    assert len(refit["record"]) == 2 * EPOCH
 
 
 @pytest.mark.slow

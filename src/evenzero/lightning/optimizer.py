@@ -22,6 +22,7 @@ package call it.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import weakref
 from collections.abc import Iterable
@@ -79,6 +80,10 @@ def zero_optimizer_from(module: torch.nn.Module, optimizer: torch.optim.Optimize
     """A `ZeroOptimizer` over `module` with `optimizer`'s class, groups and options (a
     collective: every rank calls it). `optimizer` keeps its object but from now on shares
     the new optimizer's `param_groups`; use `repoint_schedulers` for its schedulers."""
+    # A Trainer or Fabric that trained this module before and is no longer referenced
+    # still holds its ZeroOptimizer until the cycle collector runs (trainer <-> strategy):
+    # collect it now, so that the module is free for this one.
+    gc.collect()
     cls = type(optimizer)
     groups = []
     for group in optimizer.param_groups:
