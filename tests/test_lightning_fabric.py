@@ -45,6 +45,9 @@ def test_loop_matches_ddp(fabric_job):
         assert max_rel(ddp["straight"]["norm"], ez["straight"]["norm"]) <= RTOL
         assert ez["straight"]["lr"] == ddp["straight"]["lr"]
         assert max_abs(flat(ddp["straight"]["params"]), flat(ez["straight"]["params"])) <= 1e-6
+        print(f"fabric rank {rank}: losses "
+              f"{max_rel(ddp['straight']['loss'], ez['straight']['loss']):.2e}, norms "
+              f"{max_rel(ddp['straight']['norm'], ez['straight']['norm']):.2e} relative")
 
 
 def test_no_backward_sync_reduces_once_per_step(fabric_job):

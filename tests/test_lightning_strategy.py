@@ -43,6 +43,10 @@ def _both_ranks(out, a: str, b: str, rtol: float) -> list[float]:
         assert ra["error"] is None and rb["error"] is None, (ra["error"], rb["error"])
         worst.append(max_rel(losses(ra["record"]), losses(rb["record"])))
         assert worst[-1] <= rtol, (a, b, rank, worst[-1])
+        if ra["params"] and rb["params"]:
+            drift = max_abs(flat(ra["params"]), flat(rb["params"]))
+            print(f"{a} vs {b} rank {rank}: losses {worst[-1]:.2e} relative, "
+                  f"parameters {drift:.2e} absolute")
     return worst
 
 
@@ -119,6 +123,7 @@ def test_bf16_true_trains_with_fp32_masters(two_ranks):
         fp32 = losses(result(two_ranks, "ddp", rank)["record"])
         bf16 = losses(result(two_ranks, "evenzero-bf16-true", rank)["record"])
         assert max_rel(fp32, bf16) <= 2e-2
+        print(f"bf16-true rank {rank}: {max_rel(fp32, bf16):.2e} from fp32")
 
 
 def test_refusals_are_raised_on_every_rank(two_ranks):
@@ -169,6 +174,8 @@ def test_resume_at_one_rank_continues_the_two_rank_run(two_ranks, one_rank):
     assert max_rel(reference, losses(resumed["record"])) <= FP32_LOSS_RTOL
     final = flat(result(two_ranks, "evenzero", 0)["params"])
     assert max_abs(final, flat(resumed["params"])) <= FP32_PARAM_ATOL
+    print(f"resumed 2 -> 1 rank: losses {max_rel(reference, losses(resumed['record'])):.2e} "
+          f"relative, parameters {max_abs(final, flat(resumed['params'])):.2e} absolute")
 
 
 def test_resume_from_a_ddp_checkpoint_file(two_ranks, one_rank):
@@ -205,6 +212,8 @@ def test_resume_at_more_ranks(two_ranks, tmp_path, world):
          "resume": str(two_ranks / "ez-ckpt" / "epoch=0-step=4.ckpt")}])
     reference = global_losses(two_ranks, "evenzero", 2)[EPOCH:]
     assert max_rel(reference, global_losses(out, "resume", world)) <= FP32_LOSS_RTOL
+    print(f"resumed 2 -> {world} ranks: losses "
+          f"{max_rel(reference, global_losses(out, 'resume', world)):.2e} relative")
     final = flat(result(two_ranks, "evenzero", 0)["params"])
     for rank in range(world):
         assert max_abs(final, flat(result(out, "resume", rank)["params"])) <= FP32_PARAM_ATOL
@@ -266,6 +275,7 @@ def test_fp16_true_scales_the_loss_through_the_optimizer(variants):
         fp16 = losses(result(variants, "evenzero-16-true", rank)["record"])
         assert all(math.isfinite(v) for v in fp16)
         assert max_rel(fp32, fp16) <= 5e-3
+        print(f"16-true rank {rank}: {max_rel(fp32, fp16):.2e} from fp32")
 
 
 @pytest.mark.slow
