@@ -11,7 +11,6 @@ exactly.
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
@@ -85,14 +84,17 @@ def test_bf16_mixed_matches_ddp(tmp_path):
 
 
 @pytest.mark.slow
-def test_fp16_true_scales_the_loss_through_the_optimizer(tmp_path):
+def test_fp16_true_scales_the_loss_through_the_optimizer(fabric_job, tmp_path):
     # fp16 weights, fp32 masters, the optimizer's loss scale through fabric.backward (an
-    # unscaled backward would be refused at the step). Fabric's DDP has no loss scaling
-    # for 16-true: its clip_gradients stops on a non-finite norm in this loop.
+    # unscaled backward would be refused at the step): within fp16 rounding of the fp32
+    # run. Fabric's DDP has no loss scaling for 16-true: its clip_gradients stops on a
+    # non-finite norm in this loop.
     run_job(FABRIC_JOB, ["--out", str(tmp_path), "--devices", "2", "--strategy", "evenzero",
                          "--precision", "16-true"])
     for rank in (0, 1):
+        fp32 = _load(fabric_job, "evenzero", rank)["straight"]["loss"]
         ez = _load(tmp_path, "evenzero", rank)
-        assert all(math.isfinite(v) for v in ez["straight"]["loss"])
-        assert ez["straight"]["loss"][-1] < ez["straight"]["loss"][0]
+        assert max_rel(fp32, ez["straight"]["loss"]) <= 5e-3
         assert max_rel(ez["straight"]["loss"][2 * SAVE_AT:], ez["resumed"]["loss"]) == 0.0
+        print(f"fabric 16-true rank {rank}: {max_rel(fp32, ez['straight']['loss']):.2e} "
+              f"from fp32")
