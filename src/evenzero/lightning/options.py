@@ -29,6 +29,15 @@ import torch
 
 from evenzero.runtime import LossScaleConfig, ZeroConfig, ZeroConfigError
 
+STRATEGY_NAMES = {
+    "evenzero": ({}, "evenzero ZeRO-2: sharded gradients and optimizer state, one equal "
+                     "reduce-scatter per bucket"),
+    "evenzero_stage_1": ({"stage": 1}, "evenzero ZeRO-1: sharded optimizer state"),
+    "evenzero_stage_2": ({"stage": 2}, "evenzero ZeRO-2 (the same as 'evenzero')"),
+}
+"""Names registered in the Trainer's and Fabric's strategy registries: (init parameters,
+description)."""
+
 SUPPORTED_PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed", "64-true")
 
 DDP_ONLY_OPTIONS = {

@@ -41,20 +41,12 @@ from evenzero.lightning.optimizer import (
     unwrap_optimizer,
     zero_optimizer_from,
 )
-from evenzero.lightning.options import zero_config, zero_options
+from evenzero.lightning.options import STRATEGY_NAMES, zero_config, zero_options
 from evenzero.lightning.precision import CLIP_BY_VALUE_REFUSED
 from evenzero.runtime import ZeroConfigError, ZeroOptimizer
 
 FIT = "fit"
 """`TrainerFn.FITTING`'s value (a str enum in both Lightning packages)."""
-
-REGISTERED = {
-    "evenzero": ({}, "evenzero ZeRO-2: sharded gradients and optimizer state, one equal "
-                     "reduce-scatter per bucket"),
-    "evenzero_stage_1": ({"stage": 1}, "evenzero ZeRO-1: sharded optimizer state"),
-    "evenzero_stage_2": ({"stage": 2}, "evenzero ZeRO-2 (the same as 'evenzero')"),
-}
-"""Names registered in Lightning's StrategyRegistry: (init parameters, description)."""
 
 
 class TrainerStrategyMixin:
@@ -76,7 +68,7 @@ class TrainerStrategyMixin:
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, (params, description) in REGISTERED.items():
+        for name, (params, description) in STRATEGY_NAMES.items():
             strategy_registry.register(name, cls, description=description, override=True,
                                        **params)
 
