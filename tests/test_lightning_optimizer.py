@@ -71,8 +71,6 @@ def _schedulers_drive_the_zero_optimizer(rank, world):
     zero.close()
 
 
-def test_schedulers_drive_the_zero_optimizer():
-    run_distributed(_schedulers_drive_the_zero_optimizer, 2, timeout=300)
 
 
 def _conversion_problems(rank, world):
@@ -101,8 +99,14 @@ def _conversion_problems(rank, world):
     raise_on_every_rank(None)
 
 
-def test_conversion_problems_and_agreement():
-    run_distributed(_conversion_problems, 2, timeout=300)
+def _checks(rank, world):
+    _schedulers_drive_the_zero_optimizer(rank, world)
+    _conversion_problems(rank, world)
+
+
+def test_schedulers_drive_the_zero_optimizer_and_problems_are_agreed():
+    # One job: each spawned rank imports Lightning (evenzero.lightning's package), seconds.
+    run_distributed(_checks, 2, timeout=300)
 
 
 def test_import_evenzero_does_not_import_lightning():
