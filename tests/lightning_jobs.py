@@ -26,14 +26,23 @@ FABRIC_JOB = HERE / "lightning_fabric_job.py"
 SRC = HERE.parent / "src"
 
 
+LAUNCHER_VARS = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                           "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES",
+                           "PL_GLOBAL_SEED", "PL_TRAINER_GPUS"})
+
+
 class LightningJobError(AssertionError):
     """The job failed or timed out; the message carries its output."""
 
 
 def run_job(script: Path, args: Sequence[str], timeout: float = 900.0) -> str:
     """Run a user script; returns its output, raises LightningJobError on failure."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
+    # As from a fresh shell: no launcher's variables that an earlier test in this process
+    # may have left (Lightning would take them for its own launch's).
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARS and not k.startswith(("TORCHELASTIC_", "OMPI_", "PMI_"))}
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))})
     proc = subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=str(HERE.parent),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

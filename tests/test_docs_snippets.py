@@ -22,6 +22,9 @@ SKIPPED = {
     "load-deepspeed": "needs a checkpoint written by DeepSpeed itself "
                       "(tests/test_checkpoint_deepspeed.py loads real ones)",
     "deepspeed-vs-evenzero": "two versions of one step side by side, not one program",
+    "lightning-gpu": "Lightning launches its own 8 GPU processes; the same Trainer and Fabric "
+                     "calls run on CPU ranks in tests/test_lightning_strategy.py and "
+                     "tests/test_lightning_fabric.py",
 }
 """Blocks that cannot run on 2 CPU ranks as written, by the ID of their marker."""
 
