@@ -166,6 +166,7 @@ def _deepspeed_launcher(impl: str, case: str, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_deepspeed_launcher_and_openmpi_launches_agree(tmp_path):
     """The script as 2 processes under DeepSpeed's launcher (env + `--local_rank=N`) and
     with only OpenMPI's variables, as `mpirun -np 2` starts them: same run."""

@@ -77,13 +77,13 @@ def fake(name: str, step_ms: list[float]) -> dict:
 
 
 def test_verdict_says_what_was_compared_its_noise_and_where_the_full_benchmark_is():
-    ez = fake("evenzero", [100, 104, 98, 110, 101])
+    ez = fake("evenzero", [90, 94, 88, 100, 91])
     ddp = fake("ddp", [100, 100, 100, 100, 100])
-    assert ratio_spread(step_ratios(ez, ddp)) == pytest.approx((1.00, 1.01, 1.04))
+    assert ratio_spread(step_ratios(ez, ddp)) == pytest.approx((0.90, 0.91, 0.94))
     lines = target_lines([ez, ddp], 8)
-    assert lines[0].startswith("target evenzero <= 1.0 x ddp (DDP's C++ reducer), "
-                               "forward+backward+step of the slowest rank: 1.01 x, the median "
-                               "of 5 per-step ratios, interquartile range 1.00-1.04: ")
+    assert lines[0].startswith("target evenzero <= 0.9 x ddp (DDP's C++ reducer), "
+                               "forward+backward+step of the slowest rank: 0.91 x, the median "
+                               "of 5 per-step ratios, interquartile range 0.90-0.94: ")
     assert lines[0].endswith("[red]missed[/red], within this run's noise")
     assert "One short run on 8 ranks" in lines[-1] and FULL_BENCHMARK in lines[-1]
     assert "BENCHMARKS.md" in FULL_BENCHMARK and "`evenzero repro --steps 30`" in FULL_BENCHMARK

@@ -16,7 +16,7 @@ from evenzero.planview import human_bytes
 from evenzero.repro.systems import LOSS_RTOL, is_exact, trains
 
 REFERENCE = "evenzero"
-TARGETS = {"deepspeed": 0.7, "ddp": 1.0}
+TARGETS = {"deepspeed": 0.7, "ddp": 0.9}
 """evenzero's median forward+backward+step must be at most this fraction of the system's."""
 FULL_BENCHMARK = ('BENCHMARKS.md, "Seed case side by side" (`evenzero repro --steps 30`) and, '
                   'with no tuning arguments, "Defaults against DDP and FSDP2" '
