@@ -69,10 +69,15 @@ class PlainSystem:
         x, y = b
         return mse(self.model(x), y)
 
-    def backward_and_step(self, loss) -> None:
+    def backward(self, loss) -> None:
         loss.backward()
+
+    def step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad()
+
+    def capture_next_step(self) -> None:
+        """Nothing to capture: a plain loop issues no collective."""
 
     def collectives(self):
         return []
@@ -100,16 +105,16 @@ def main(argv: list[str] | None = None) -> int:
                EvenzeroSystem("evenzero", copy.deepcopy(base), mse, lr=LR,
                               weight_decay=WEIGHT_DECAY),
                PlainSystem("torch-fused", copy.deepcopy(base), fused=True)]
-    results = run_interleaved(systems, batch, InterleaveOptions(args.steps, args.warmup,
-                                                                time_forward=True))
+    results = run_interleaved(systems, batch, InterleaveOptions(args.steps, args.warmup))
     ez = systems[1].optimizer
     by = {r.name: statistics.median(r.step_ms) for r in results}
     params = sum(q.numel() for q in base.parameters())
     print(f"world size 1, CPU, {params:,} parameters, {args.threads} thread(s), "
           f"median of {args.steps} interleaved steps (forward+backward+step)")
     for r in results:
+        phases = "  ".join(f"{ph} {statistics.median(r.phase_ms[ph]):.1f}" for ph in r.phase_ms)
         print(f"  {r.name:12s} {by[r.name]:8.1f} ms   {by[r.name] / by['torch']:.3f}x torch   "
-              f"last loss {r.losses[-1]:.6f}")
+              f"({phases})   last loss {r.losses[-1]:.6f}")
     ratio = by["evenzero"] / by["torch"]
     print(f"evenzero / torch: {ratio:.3f} (target <= {TARGET}: {'met' if ratio <= TARGET else 'not met'})")
     print(f"evenzero collectives in the last step: "
