@@ -210,7 +210,7 @@ class _Case:
         from evenzero.repro.baselines import DDPSystem
 
         extra = {"expert_group": self.groups.edp_group} if self.kind == "seed" else {}
-        return DDPSystem(self.build(), self.loss, comm_hook=False, **extra)
+        return DDPSystem(self.build(), self.loss, **extra)
 
     def spec(self):
         """The planner's view, with what FLOPs need: tokens, embeddings, expert shares."""
