@@ -2,6 +2,7 @@
 
     python benchmarks/checkpoint_async.py [--world 4] [--model bench-50m] [--steps 4]
                                           [--repeats 3] [--dir DIR] [--json FILE]
+                                          [--threads-per-rank T]
 
 Trains the 59M-parameter GPT of `evenzero bench` (`evenzero.repro.gptmodel`, AdamW,
 ZeroOptimizer with `bucket_numel` 4M as the benchmark uses) on local ranks and times
@@ -141,12 +142,16 @@ def main() -> None:
     ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl", "auto"))
     ap.add_argument("--dir", default=None, help="checkpoint directory (default: a temp dir)")
     ap.add_argument("--json", help="write the measurements here")
+    ap.add_argument("--threads-per-rank", type=int, default=None,
+                    help="torch threads per rank (default: the cores shared evenly, so every "
+                         "core trains); fewer leave cores free, as GPU training does")
     args = ap.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="evenzero-ckpt-async-"))
     cfg = StallConfig(args.model, args.steps, args.repeats, args.warmup, str(root))
     try:
-        result = launch(stall_worker, cfg, LaunchOptions(args.world, backend=args.backend,
-                                                         timeout_s=3600))
+        result = launch(stall_worker, cfg, LaunchOptions(
+            args.world, backend=args.backend, timeout_s=3600,
+            threads_per_rank=args.threads_per_rank))
     finally:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)

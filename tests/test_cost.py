@@ -261,6 +261,10 @@ def test_calibration_on_two_local_ranks_fits_what_it_measured():
     assert all(getattr(c, f"{impl}_bytes_per_element") > 0 for impl in OPTIMIZER_IMPLS)
     assert c.norm_fp32_bytes_per_element > 0 and c.norm_fp64_bytes_per_element > 0
     assert c.tensor_overhead_us > 0 and c.param_overhead_us > 0
+    # Both directions of sharing the host: compute beside a collective, and the collective
+    # beside compute (measured against the same all-reduce alone; clamped to [0, 4]).
+    assert 0 <= c.comm_slowdown <= 4 and 0 <= c.collective_slowdown <= 4
+    assert "that all-reduce alone" in c.sources
     assert not model.all_gather_copies_output  # the timed all-gather includes its copy
     errors = []
     for s in samples:

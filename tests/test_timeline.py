@@ -151,6 +151,25 @@ def test_collectives_slow_compute_by_the_comm_slowdown():
     assert t.exposed_comm_s == pytest.approx(0.5 * MS)
 
 
+def test_compute_slows_collectives_by_the_collective_slowdown():
+    # Both halve each other: a 1 ms call beside 2 ms of compute. For 2 ms both run at half
+    # speed (the call is done, compute has 1 ms left), then compute runs alone: 3 ms, the
+    # sum of the two, as on cores the ranks already fill (without the factor, 2.5 ms);
+    # 1 ms of backward compute comes before.
+    shared = DeviceCompute("shared", tflops=1.0, memory_gbs=1e12, comm_slowdown=1.0,
+                           collective_slowdown=1.0)
+    p = tiny_plan({0: ["a"]}, Execution(copies_grads=False))
+    prof = ComputeProfile((("a", MS),), 0.0, 2 * MS)
+    t = simulate(p, flat_cost(1.0, shared), prof)
+    assert t.total_s == pytest.approx(4.0 * MS)
+    call = next(s for s in t.segments if s.lane == "comm")
+    assert call.end - call.start == pytest.approx(2.0 * MS)
+    one_way = DeviceCompute("one-way", tflops=1.0, memory_gbs=1e12, comm_slowdown=1.0)
+    assert simulate(p, flat_cost(1.0, one_way), prof).total_s == pytest.approx(3.5 * MS)
+    with pytest.raises(ValueError, match="collective_slowdown"):
+        DeviceCompute("x", tflops=1, memory_gbs=1, collective_slowdown=-0.5)
+
+
 def test_execution_override_and_a_model_without_compute():
     p = tiny_plan({i: [n] for i, n in enumerate("abcd")}, Execution(max_in_flight=0))
     blocking = simulate(p, flat_cost(2.5), profile(*"abcd", tail_ms=5))

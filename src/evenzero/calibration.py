@@ -225,6 +225,16 @@ def _rate(work: Callable[[], None], device, seconds: float = 0.2) -> float:
             return calls / elapsed
 
 
+def _timed_all_reduce(message: torch.Tensor, device: torch.device) -> float:
+    """Seconds of one all-reduce of `message` with nothing else running."""
+    dist.barrier()
+    _sync(device)
+    t0 = perf_counter()
+    dist.all_reduce(message)
+    _sync(device)
+    return perf_counter() - t0
+
+
 def measure_compute(device: torch.device | None = None, name: str = "measured") -> DeviceCompute:
     """One rank's compute and step costs while every rank of the world computes the same
     (collective: every rank calls it)."""
@@ -248,6 +258,8 @@ def measure_compute(device: torch.device | None = None, name: str = "measured") 
     # really gets on this host (gloo's threads and copies share cores and memory).
     alone = _rate(lambda: torch.mm(small_a, small_b), device)
     message = torch.ones(2**22, device=device)
+    # And the other way: the same all-reduce alone, against its time beside the matmuls.
+    comm_alone = min(_timed_all_reduce(message, device) for _ in range(2))
     dist.barrier()
     work = dist.all_reduce(message, async_op=True)
     calls, t0 = 0, perf_counter()
@@ -260,10 +272,11 @@ def measure_compute(device: torch.device | None = None, name: str = "measured") 
     during = calls / elapsed if calls else alone
     steps = measure_step_costs(device)
     names = sorted(steps)
-    rates = _slowest_rank([-matmul, -copy, -alone, -during] + [-1 / steps[n] for n in names],
-                          device)
+    rates = _slowest_rank([-matmul, -copy, -alone, -during, comm_alone, elapsed]
+                          + [-1 / steps[n] for n in names], device)
     matmul, copy, alone, during = (-r for r in rates[:4])  # the slowest rank: lowest rate
-    seconds = {n: -1 / r for n, r in zip(names, rates[4:], strict=True)}
+    comm_alone, comm_beside = rates[4:6]  # and the longest call
+    seconds = {n: -1 / r for n, r in zip(names, rates[6:], strict=True)}
     memory_gbs = copy * 2 * COPY_NUMEL * 4 / 1e9
 
     def per_element(key: str, elements: int) -> float:
@@ -294,13 +307,14 @@ def measure_compute(device: torch.device | None = None, name: str = "measured") 
         tensor_overhead_us=seconds["per_tensor"] * 1e6,
         param_overhead_us=seconds["per_param"] * 1e6,
         comm_slowdown=min(4.0, max(0.0, alone / during - 1)),
+        collective_slowdown=min(4.0, max(0.0, comm_beside / comm_alone - 1)),
         sources=f"evenzero calibrate: {t}x{k}x{m} {str(dtype).removeprefix('torch.')} matmul, "
                 f"{COPY_NUMEL:,}-element copy, torch AdamW step on {OPTIMIZER_NUMEL:,} "
                 f"elements per implementation ({', '.join(impls)}), in one tensor and in "
                 f"{SMALL_TENSOR_NUMEL:,}-element ones, fp32-chunk and fp64 norms, a "
                 f"single-tensor step and a visit over {SMALL_PARAMS} one-element parameters, "
-                f"matmuls beside an all-reduce; slowest rank, every rank busy, "
-                f"{torch.get_num_threads()} thread(s) per rank")
+                f"matmuls beside an all-reduce and that all-reduce alone; slowest rank, "
+                f"every rank busy, {torch.get_num_threads()} thread(s) per rank")
 
 
 def measure_step_costs(device: torch.device) -> dict[str, float]:

@@ -130,7 +130,9 @@ def _print_calibration(model: CostModel, samples) -> None:
     if model.compute is not None:
         c = model.compute
         console.print(f"compute per rank: {c.tflops * 1e3:.1f} GFLOP/s matmul, {c.memory_gbs:.1f} "
-                      f"GB/s copy, {c.comm_slowdown:.2f}x slower beside a collective",
+                      f"GB/s copy; beside a collective compute runs at "
+                      f"{1 / (1 + c.comm_slowdown):.0%} of its speed alone, and a collective "
+                      f"beside compute at {1 / (1 + c.collective_slowdown):.0%}",
                       highlight=False)
         impls = ", ".join(f"{impl} {c.optimizer_bytes(impl):.0f}" for impl in OPTIMIZER_IMPLS)
         console.print(f"step per rank: AdamW {impls} B/element (default {c.default_optimizer_impl}); "

@@ -107,6 +107,12 @@ class DeviceCompute:
     comm_slowdown: float = 0.0
     """While a collective is in progress compute runs 1 / (1 + this) as fast. 0 where
     communication has its own engines; on CPU, gloo's threads share the cores."""
+    collective_slowdown: float = 0.0
+    """The other direction: while compute runs, a collective in progress runs 1 / (1 +
+    this) as fast. On a host whose cores the ranks already fill (gloo), the collective's
+    copies and reductions wait for cores the compute holds, so the two share the time
+    instead of overlapping; 0 where communication has engines of its own (NCCL's kernels
+    on their own SMs, nearly)."""
     sources: str = ""
     """Where the numbers come from."""
 
@@ -121,6 +127,7 @@ class DeviceCompute:
         _check("tensor_overhead_us", self.tensor_overhead_us, positive=False)
         _check("param_overhead_us", self.param_overhead_us, positive=False)
         _check("comm_slowdown", self.comm_slowdown, positive=False)
+        _check("collective_slowdown", self.collective_slowdown, positive=False)
         if self.default_optimizer_impl not in OPTIMIZER_IMPLS:
             raise ValueError(f"default_optimizer_impl must be one of {OPTIMIZER_IMPLS}, got "
                              f"{self.default_optimizer_impl!r}")

@@ -9,7 +9,9 @@ the optimizer. `simulate` plays a plan's collectives against a `ComputeProfile`:
   communication buffers; waits; the step's own work (`Plan.step_work`);
 * comm lane: the plan's collectives one at a time, in launch order (NCCL runs a
   communicator's calls in issue order on its stream; gloo queues them per group). While
-  a collective runs, compute slows by `DeviceCompute.comm_slowdown`.
+  a collective runs, compute slows by `DeviceCompute.comm_slowdown`, and while compute
+  runs, the collective slows by `DeviceCompute.collective_slowdown` (on a host whose
+  cores the ranks fill, the two share the cores rather than overlap).
 
 The rules come from the plan (`Plan.execution`), never from the strategy's name:
 
@@ -119,6 +121,7 @@ class _Lanes:
 
     def __init__(self, cost: CostModel, device: DeviceCompute) -> None:
         self.cost, self.slowdown = cost, device.comm_slowdown
+        self.comm_rate = 1.0 / (1.0 + device.collective_slowdown)
         self.device = device
         self.now = 0.0
         self.queue: deque[tuple[int, Collective]] = deque()
@@ -157,7 +160,8 @@ class _Lanes:
         self._start_next()
 
     def compute(self, seconds: float, kind: str, label: str = "") -> None:
-        """Run `seconds` of compute work; slower while a collective is in progress."""
+        """Run `seconds` of compute work; slower while a collective is in progress, which
+        is itself slower beside it. A collective's remaining time is in seconds alone."""
         if seconds <= 0:
             return
         start, left = self.now, seconds
@@ -167,10 +171,10 @@ class _Lanes:
             if self.current is None:
                 self.now += left
                 break
-            dt = min(self.current[1], left / rate)
+            dt = min(self.current[1] / self.comm_rate, left / rate)
             self.now += dt
             left -= dt * rate
-            self.current[1] -= dt
+            self.current[1] -= dt * self.comm_rate
             if self.current[1] <= _EPS:
                 self._finish()
         self.segments.append(Segment(COMPUTE, kind, start, self.now, label))

@@ -20,6 +20,7 @@ The module, optimizer and data loader are set up in `evenzero.deepspeed.setup`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -192,14 +193,14 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss times the fp16 loss scale, for `engine.scale(loss).backward()`."""
-        self._require_optimizer("scale")
+        self.require_optimizer("scale")
         _check_loss(loss)
         self._manual_backward_expected = True
         return self.zero.scale_loss(loss)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False,
                  scale_wrt_gas: bool = True) -> torch.Tensor:
-        self._require_optimizer("backward")
+        self.require_optimizer("backward")
         _check_loss(loss)
         if scale_wrt_gas:
             loss = loss / self.gradient_accumulation_steps()
@@ -252,7 +253,7 @@ class DeepSpeedEngine(torch.nn.Module):
         if self.inside_no_sync_ctxt:
             raise AssertionError("It is illegal to call Engine.step() inside no_sync context "
                                  "manager")
-        self._require_optimizer("step")
+        self.require_optimizer("step")
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             self._take_model_step(lr_kwargs)
@@ -287,9 +288,15 @@ class DeepSpeedEngine(torch.nn.Module):
             logger.info("step=%s, skipped=%s, lr=%s, mom=%s", step, self.skipped_steps,
                         self.get_lr(), self.get_mom())
 
-    def _require_optimizer(self, what: str) -> None:
+    def require_optimizer(self, what: str) -> None:
+        """DeepSpeed's assertion for calls that need the optimizer (its engine's wording)."""
         if self.optimizer is None:
             raise AssertionError(f"must provide optimizer during init in order to use {what}")
+
+    def restore_gradient_clipping(self, clip: float) -> None:
+        """A ZeRO checkpoint's `clip_grad` replaces the config's, as DeepSpeed's load does
+        (deepspeed/runtime/zero/stage_1_and_2.py@0.19.8:3667-3793)."""
+        self._policy = dataclasses.replace(self._policy, clip=float(clip))
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -20,7 +20,6 @@ str, int, float, bool, None, tensors); anything else is an error naming the type
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,7 @@ def save_engine(engine: Any, save_dir: str, tag: Any, client_state: dict, save_l
     from evenzero import checkpoint
 
     del exclude_frozen_parameters  # frozen parameters are always saved (they are small extras)
-    engine._require_optimizer("save_checkpoint")
+    engine.require_optimizer("save_checkpoint")
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
     state = {
         ENGINE_MARK: 1,
@@ -137,7 +136,7 @@ def load_engine(engine: Any, load_dir: str, tag: Any, load_module_strict: bool,
                 load_module_only: bool, custom_load_fn: Any) -> tuple[str | None, dict | None]:
     from evenzero import checkpoint
 
-    engine._require_optimizer("load_checkpoint")
+    engine.require_optimizer("load_checkpoint")
     if custom_load_fn is not None:
         raise ValueError("load_checkpoint(custom_load_fn=...) is not supported: the module is "
                          "restored from the sharded fp32 masters")
@@ -176,7 +175,7 @@ def load_engine(engine: Any, load_dir: str, tag: Any, load_module_strict: bool,
         if load_optimizer_states:
             # DeepSpeed's ZeRO load restores the saved clip_grad over the config's
             # (deepspeed/runtime/zero/stage_1_and_2.py@0.19.8:3667-3793).
-            engine._policy = dataclasses.replace(engine._policy, clip=float(state["clip_grad"]))
+            engine.restore_gradient_clipping(state["clip_grad"])
         excluded = list(ENGINE_KEYS)
     if load_lr_scheduler_states:
         excluded.append("lr_scheduler")
@@ -207,7 +206,7 @@ def load_deepspeed_checkpoint(engine: Any, load_dir: str, tag: str, load_optimiz
         if load_optimizer_states and ckpt.clip_grad is not None:
             # DeepSpeed's ZeRO load restores the saved clip_grad over the config's
             # (deepspeed/runtime/zero/stage_1_and_2.py@0.19.8:3667-3793).
-            engine._policy = dataclasses.replace(engine._policy, clip=float(ckpt.clip_grad))
+            engine.restore_gradient_clipping(ckpt.clip_grad)
     # DeepSpeed returns the model-states file it read, joined onto `load_dir` as the caller
     # spelled it ("./ckpt" stays "./ckpt/..."), not the tag directory
     # (deepspeed/runtime/engine.py@0.19.8:4336-4358,4383-4393,4591).
