@@ -113,7 +113,8 @@ def _profile(system, batches, payload: dict, kind: str) -> str:
 
     def steps() -> None:
         for step in range(PROFILE_STEPS):
-            system.backward_and_step(system.loss(batches(10_000 + step)))
+            system.backward(system.loss(batches(10_000 + step)))
+            system.step()
 
     dist.barrier()
     if kind == "cprofile":

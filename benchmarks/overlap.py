@@ -58,7 +58,8 @@ def worker(ctx, payload):
             for k in range(K):
                 batch = seed_batch(m, r * K + k, ctx.rank, ctx.world_size)
                 loss = s.loss(batch)
-                s.backward_and_step(loss)
+                s.backward(loss)
+                s.step()
             if hasattr(s, "optimizer") and hasattr(s.optimizer, "wait_for_params"):
                 s.optimizer.wait_for_params()
             t1 = time.perf_counter()

@@ -106,10 +106,6 @@ class CapturedBaseline:
         if self._capturing:
             self._last, self._capturing = self.capture.take(), False
 
-    def backward_and_step(self, loss: torch.Tensor) -> None:
-        self.backward(loss)
-        self.step()
-
     def capture_next_step(self) -> None:
         self._capturing = True
 
@@ -208,10 +204,6 @@ class FloorSystem:
     def step(self) -> None:
         self.optimizer.step()
         self.model.zero_grad(set_to_none=True)
-
-    def backward_and_step(self, loss: torch.Tensor) -> None:
-        self.backward(loss)
-        self.step()
 
     def capture_next_step(self) -> None:
         """Nothing to capture: the floor reduces nothing."""

@@ -138,10 +138,6 @@ class DeepSpeedSystem:
         if self._capturing:
             self._last, self._capturing = self.capture.take(), False
 
-    def backward_and_step(self, loss: torch.Tensor) -> None:
-        self.backward(loss)
-        self.step()
-
     def capture_next_step(self) -> None:
         self._capturing = True
 

@@ -205,10 +205,6 @@ class EvenzeroSystem:
         self.optimizer.step()
         self.optimizer.zero_grad()
 
-    def backward_and_step(self, loss: torch.Tensor) -> None:
-        self.backward(loss)
-        self.step()
-
     def capture_next_step(self) -> None:
         """Nothing to install: `optimizer.trace` always holds the last step's calls."""
 
