@@ -13,6 +13,11 @@ installed; a real installation is never imported. DeepSpeed's own launcher form,
 per-rank arguments and environment; flags with no meaning here are refused by name
 (`evenzero.deepspeed.launcher.runner`). One line on stderr says, at start, that evenzero
 stands in for DeepSpeed. The exit status is the command's.
+
+What evenzero.deepspeed refuses ends the job with one message, printed once by `evenzero
+run` when the command ends, naming the key or call and the fix, and a non-zero exit
+status; the ranks' tracebacks and the launcher's report of the failed ranks are not shown
+(EVENZERO_DEBUG=1 shows them). A script that catches the error keeps its fallback. Refused:
 """
 
 from __future__ import annotations
@@ -24,13 +29,32 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 from evenzero.commands import UsageError
+from evenzero.deepspeed.refusals import refused_features
 
 NOTICE = ("evenzero run: `import deepspeed` is evenzero.deepspeed in this job (it stands in "
-          "for DeepSpeed {version}: ZeRO stages 1-2; what it refuses: docs/why.md)")
+          "for DeepSpeed {version}: ZeRO stages 1-2; `evenzero run --help` lists what it "
+          "refuses)")
 LAUNCHERS = ("deepspeed", "ds")
+
+
+def _refused_text() -> str:
+    """The help's list of refusals, from the tables that refuse them."""
+    lines = []
+    for where, items in refused_features().items():
+        lines.append(f"  {where}:")
+        for item in items:
+            lines += textwrap.wrap(item, 88, initial_indent="    ", subsequent_indent="      ")
+    lines.append('  "auto" values (HF\'s placeholders): filled in only by HF Trainer and '
+                 "Accelerate;")
+    lines.append("    a script that calls deepspeed.initialize itself must give values")
+    return "\n".join(lines) + "\n"
+
+
+__doc__ = (__doc__ or "") + _refused_text()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +75,7 @@ def main(args: argparse.Namespace) -> int:
 def run(command: list[str]) -> int:
     """Run `command` under the stand-in; returns its exit status."""
     from evenzero.deepspeed.standin import VERSION, child_environment, write_standin
+    from evenzero.deepspeed.uncaught import summary
 
     directory = Path(tempfile.mkdtemp(prefix="evenzero-deepspeed-"))
     try:
@@ -67,7 +92,10 @@ def run(command: list[str]) -> int:
         elif shutil.which(command[0], path=env["PATH"]) is None:
             raise UsageError(f"evenzero run: command not found: {command[0]}")
         print(NOTICE.format(version=VERSION), file=sys.stderr, flush=True)
-        return _wait(subprocess.Popen(command, env=env))
+        status = _wait(subprocess.Popen(command, env=env))
+        for line in summary(directory, status):
+            print(line, file=sys.stderr, flush=True)
+        return status
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 

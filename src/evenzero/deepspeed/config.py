@@ -141,6 +141,7 @@ def _parse_json(text: str, where: str) -> dict:
 
 def parse_config(raw: Mapping[str, Any], world_size: int) -> EngineConfig:
     """Validate `raw` for a data-parallel world of `world_size` ranks."""
+    _refuse_hf_auto(raw)
     for key in REMOVED_KEYS:
         if key in raw:
             raise DeepSpeedConfigError(f"config key {key!r} was removed from DeepSpeed (0.19.8 "
@@ -180,6 +181,33 @@ def parse_config(raw: Mapping[str, Any], world_size: int) -> EngineConfig:
         use_data_before_expert_parallelism=bool(raw.get("use_data_before_expert_parallelism",
                                                         False)),
         no_ops=tuple(no_ops), unknown_keys=tuple(sorted(unknown)))
+
+
+def _refuse_hf_auto(raw: Mapping[str, Any]) -> None:
+    """HF's `"auto"` placeholders left in a config that reaches `initialize`. HF Trainer
+    (transformers/integrations/deepspeed.py, `HfTrainerDeepSpeedConfig`) and Accelerate
+    (`DeepSpeedPlugin.deepspeed_config_process`) replace them before they call it; a script
+    that calls it itself passes them on, and DeepSpeed 0.19.8 then fails on whichever it
+    reads first (`bool("auto")` turns both fp16 and bf16 on)."""
+    autos = [key for key, value in _leaves(raw) if value == "auto"]
+    if autos:
+        more = f" (and {', '.join(autos[1:])})" if len(autos) > 1 else ""
+        raise DeepSpeedConfigError(
+            f"config key {autos[0]!r} = \"auto\"{more}: \"auto\" values are filled in only by "
+            f"HF Trainer and Accelerate, before they call deepspeed.initialize; this config "
+            f"reached deepspeed.initialize without them, so give each key a value (for "
+            f"example \"fp16\": {{\"enabled\": false}}) or launch through HF Trainer or "
+            f"Accelerate")
+
+
+def _leaves(section: Mapping[str, Any], prefix: str = ""):
+    """(dotted key, value) of every non-dict value, depth first."""
+    for key, value in section.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            yield from _leaves(value, name + ".")
+        else:
+            yield name, value
 
 
 def _refuse_section(key: str, value: Any, feature: str) -> None:

@@ -5,9 +5,23 @@
 package does not have (the `deepspeed` stand-in's import finder asks `missing_module`).
 A script that only imports such a module inside `try/except ImportError` keeps its
 fallback, as without DeepSpeed.
+
+Refused calls raise `UnsupportedError` (a `NotImplementedError`) and refused modules
+`RefusedModuleError` (a `ModuleNotFoundError`), so that code catching what DeepSpeed's
+users catch keeps working, while `evenzero run` can tell a refusal from a crash
+(`evenzero.deepspeed.uncaught`).
 """
 
 from __future__ import annotations
+
+
+class UnsupportedError(NotImplementedError):
+    """A DeepSpeed call that evenzero.deepspeed refuses; the message names it and why."""
+
+
+class RefusedModuleError(ModuleNotFoundError):
+    """A DeepSpeed module that evenzero.deepspeed does not provide; the message says why."""
+
 
 ZERO3 = "ZeRO stage 3 (parameter partitioning) is not supported; use stage 1 or 2"
 
@@ -61,7 +75,25 @@ def missing_module(fullname: str) -> str:
             f"launcher.runner), not this module")
 
 
-def unsupported(what: str, reason: str) -> NotImplementedError:
+def unsupported(what: str, reason: str) -> UnsupportedError:
     """The error a refused DeepSpeed call raises: it names the call and the reason."""
-    return NotImplementedError(f"{what}: {reason} (evenzero.deepspeed stands in for "
+    return UnsupportedError(f"{what}: {reason} (evenzero.deepspeed stands in for "
                                f"DeepSpeed)")
+
+
+def refused_features() -> dict[str, list[str]]:
+    """Everything refused, by where it is asked for: config keys, modules. Built from the
+    tables (`config_keys`, `REFUSED_MODULES`), so it lists what the code refuses."""
+    from evenzero.deepspeed.config_keys import REFUSED_SECTIONS, ZERO_REFUSED
+
+    zero = {"stage": "3 (ZeRO-3)"}
+    zero.update(ZERO_REFUSED)
+    modules: dict[str, list[str]] = {}
+    for name, reason in REFUSED_MODULES.items():
+        modules.setdefault(reason, []).append(f"deepspeed.{name}")
+    return {
+        "zero_optimization keys": [f"{k}: {v}" for k, v in zero.items()],
+        "config sections (unless switched off)": [f"{k}: {v}" for k, v in
+                                                  REFUSED_SECTIONS.items()],
+        "modules": [f"{', '.join(names)}: {reason}" for reason, names in modules.items()],
+    }

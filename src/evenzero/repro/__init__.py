@@ -16,10 +16,14 @@ and on request `floor` (`--systems ...,floor`): no communication, AdamW on this 
 shard only. The data is a fixed teacher the model can fit (`seedmodel.seed_batch`), so
 the losses fall, and equal losses across systems are the evidence of a correct step.
 
-It prints the backward collectives each system issued (captured in one more, untimed
-step), the seed table, each system's forward, backward and step times, the losses
-(1-3 must agree to 1e-5 relative) and the targets against DDP and DeepSpeed, with the
-spread of the per-step ratio.
+It prints what each system is, the backward collectives each issued (captured in one
+more, untimed step), the seed table, each system's forward, backward and step times, the
+losses (1-3 must agree to 1e-5 relative over the first `LOSS_CHECK_STEPS` steps) and the
+verdicts against DDP and DeepSpeed (`evenzero.repro.verdict`): met, missed, or
+inconclusive when the run's noise crosses the target. A verdict still open after `steps`
+measured steps is measured further, evenzero and that system only, doubling the steps up
+to `max_steps`. evenzero runs the library's default bucket size ("auto") unless
+`--bucket-numel` fixes one; the report says which size it ran and why.
 """
 
 from __future__ import annotations
@@ -38,11 +42,12 @@ SYSTEMS = system_names(experts=True)
 """What `--systems` accepts: every system that runs the seed model's expert-parallel MoE."""
 DEFAULT_SYSTEMS = ("evenzero", "deepspeed-0.6-schedule", "ddp", "deepspeed",
                    "deepspeed-reduce-mode")
-DEFAULT_BUCKET_NUMEL = 2**20
-"""1M elements (4 MiB): ten buckets for the seed model on 8 ranks, so reductions overlap
-backward from its first step (the report's comparison at a fixed size). `--bucket-numel
-0` runs the runtime's default, "auto": chosen at construction, refined after the first
-two backwards (BENCHMARKS.md, "Defaults against DDP and FSDP2")."""
+DEFAULT_BUCKET_NUMEL = None
+"""The library's default, "auto", as a user gets it: chosen at construction, refined at the
+end of the second backward (inside the two warm-up steps). `--bucket-numel N` fixes a size
+instead (BENCHMARKS.md has the runs at 2**20)."""
+DEFAULT_MAX_STEPS = 32
+"""Measured steps at most for evenzero and a system whose verdict is still open."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,9 @@ class ReproConfig:
     world_size: int = 8
     """Local ranks."""
     steps: int = 8
-    """Measured steps per system."""
+    """Measured steps per system before the first look at the verdicts."""
+    max_steps: int = DEFAULT_MAX_STEPS
+    """Measured steps at most, for evenzero and the systems whose verdict is still open."""
     warmup: int = 2
     """Untimed steps per system before the measured ones."""
     model: SeedModelConfig = field(default_factory=SeedModelConfig)
@@ -71,9 +78,14 @@ class ReproConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from evenzero.commands import finite_float, int_in
+    from evenzero.repro.localrun import MAX_STEPS
 
     add_launch_arguments(parser, world_size=8, steps=8, systems=SYSTEMS,
-                         default_systems=DEFAULT_SYSTEMS, bucket_numel=DEFAULT_BUCKET_NUMEL)
+                         default_systems=DEFAULT_SYSTEMS, bucket_numel=0)
+    parser.add_argument("--max-steps", type=int_in(1, MAX_STEPS), default=DEFAULT_MAX_STEPS,
+                        help=f"while a verdict is inconclusive, measure evenzero and that "
+                             f"system further, doubling the steps up to this many "
+                             f"(default {DEFAULT_MAX_STEPS}; at most --steps: never)")
     parser.add_argument("--json", help="write collectives, times and losses here")
     parser.add_argument("--plot", help="write message sizes and step times as a PNG "
                                        "(.png added if no extension)")
@@ -91,7 +103,8 @@ def config_from_args(args: argparse.Namespace) -> ReproConfig:
     model = SeedModelConfig(dim=args.dim, num_experts=args.experts, ep_size=args.ep_size,
                             tokens_per_rank=args.tokens)
     model.check(args.world_size)
-    return ReproConfig(world_size=args.world_size, steps=args.steps, warmup=args.warmup,
+    return ReproConfig(world_size=args.world_size, steps=args.steps,
+                       max_steps=max(args.steps, args.max_steps), warmup=args.warmup,
                        model=model, systems=systems, bucket_numel=args.bucket_numel or None,
                        backend=args.backend, timeout_s=args.timeout)
 
@@ -148,10 +161,11 @@ def repro_worker(ctx, config: ReproConfig) -> dict[str, Any]:
     from evenzero.plan_report import collective_record as record
     from evenzero.repro.capture import CaptureOptions
     from evenzero.repro.deepspeed_runner import check_expert_layout
-    from evenzero.repro.progress import Planned, Status, StepDone
+    from evenzero.repro.progress import Continued, Planned, Status, StepDone
     from evenzero.repro.seedmodel import SeedModel, seed_batch, seed_loss
     from evenzero.repro.sidebyside import InterleaveOptions, capture_collectives, run_interleaved
     from evenzero.repro.systems import Workload, build_systems
+    from evenzero.repro.verdict import REFERENCE, next_steps
 
     m = config.model
     groups = expert_parallel_groups(m.ep_size)
@@ -179,11 +193,28 @@ def repro_worker(ctx, config: ReproConfig) -> dict[str, Any]:
     def batch(step: int):
         return seed_batch(m, step, ctx.rank, ctx.world_size)
 
+    def step_done(name: str, step: int) -> None:
+        ctx.emit(StepDone(name, step))
+
     results = run_interleaved(systems, batch,
                               InterleaveOptions(config.steps, config.warmup, ctx.device),
-                              on_step=lambda name, step: ctx.emit(StepDone(name, step)))
+                              on_step=step_done)
+    by_name = {r.name: r for r in results}
+    # Every rank holds the same reduced times, so every rank takes the same decisions.
+    while True:
+        names, more = next_steps({r.name: r.step_ms for r in results}, config.max_steps)
+        if not names:
+            break
+        done = config.warmup + len(by_name[REFERENCE].step_ms)
+        ctx.emit(Continued(tuple(names), done, more, continue_reason(results, more)))
+        for extra in run_interleaved([s for s in systems if s.name in names], batch,
+                                     InterleaveOptions(more, 0, ctx.device, first_step=done),
+                                     on_step=step_done):
+            by_name[extra.name].extend(extra)
     ctx.emit(Status("capturing each system's collectives in one more, untimed step"))
-    captured = capture_collectives(systems, batch(config.warmup + config.steps), ctx.device)
+    done = config.warmup + len(by_name[REFERENCE].step_ms) if REFERENCE in by_name else 0
+    captured = capture_collectives(systems, batch(max(done, config.warmup + config.steps)),
+                                   ctx.device)
     # What evenzero's runtime planned, to check that it issued exactly that.
     planned = {s.name: [record(c) for c in s.optimizer.plan.backward()]
                for s in systems if hasattr(s, "optimizer") and hasattr(s.optimizer, "plan")}
@@ -196,7 +227,34 @@ def repro_worker(ctx, config: ReproConfig) -> dict[str, Any]:
                     | ({"planned_backward": planned[r.name]} if r.name in planned else {})
                     for r in results],
         "skipped": skipped,
+        "bucket": bucket_record(systems, config),
     }
+
+
+def continue_reason(results, more: int) -> str:
+    """Why the job measures `more` steps: the open verdicts, with their intervals."""
+    from evenzero.repro.verdict import verdicts
+
+    open_ones = [v for v in verdicts({r.name: r.step_ms for r in results}) if not v.decided]
+    what = "; ".join(f"{v.peer}: {_interval(v)} crosses {v.target:g}" for v in open_ones)
+    return f"verdict open after {open_ones[0].steps} steps ({what}): {more} more steps"
+
+
+def _interval(v) -> str:
+    if v.low != v.low:  # nan: too few steps for an interval
+        return "too few steps for an interval, which"
+    return f"99% interval {v.low:.2f}-{v.high:.2f}"
+
+
+def bucket_record(systems, config: ReproConfig) -> dict[str, Any] | None:
+    """The bucket size evenzero ran (after any refinement) and its plan's note on why."""
+    system = next((s for s in systems if s.name == "evenzero"), None)
+    if system is None:
+        return None
+    plan = system.optimizer.plan
+    return {"requested": "auto" if config.bucket_numel is None else config.bucket_numel,
+            "numel": plan.bucket_numel, "note": plan.notes[-1] if plan.notes else "",
+            "buckets": len(plan.buckets)}
 
 
 def system_record(result, collectives, record) -> dict[str, Any]:

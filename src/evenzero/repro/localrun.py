@@ -216,10 +216,12 @@ def add_launch_arguments(parser: Any, *, world_size: int, steps: int, systems: t
                         help="untimed warm-up steps (default 2)")
     parser.add_argument("--systems", default=",".join(default_systems),
                         help=f"comma-separated subset of {', '.join(systems)}")
+    auto = ("the runtime's default, \"auto\": chosen from the predicted timeline, refined "
+            "from the first backwards")
     parser.add_argument("--bucket-numel", type=int_in(0, MAX_NUMEL), default=bucket_numel,
-                        help=f"evenzero bucket size in elements (default {bucket_numel}; "
-                             f"0 = the runtime's default, \"auto\": chosen from the "
-                             f"predicted timeline, refined from the first backwards)")
+                        help=f"evenzero bucket size in elements (default: {auto})" if not
+                        bucket_numel else f"evenzero bucket size in elements (default "
+                                          f"{bucket_numel}; 0 = {auto})")
     parser.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
                         help="process-group backend (default: NCCL if enough GPUs, else gloo)")
 

@@ -51,6 +51,19 @@ class Planned:
 
 
 @dataclass(frozen=True)
+class Continued:
+    """More steps for some systems, after a look at the verdicts left one open."""
+
+    systems: tuple[str, ...]
+    first_step: int
+    """Index of the first new step (warm-up steps counted)."""
+    steps: int
+    """How many more."""
+    reason: str
+    """Why, for the status line."""
+
+
+@dataclass(frozen=True)
 class StepDone:
     """One system finished one step (0-based, warm-up steps first)."""
 
@@ -116,6 +129,12 @@ class JobProgress:
                 self._bar.update(self._task, total=event.total, completed=0)
             self._status(f"training {len(event.systems)} systems x {event.steps + event.warmup} "
                          f"steps ({event.warmup} warm-up): {', '.join(event.systems)}")
+        elif isinstance(event, Continued):
+            warmup = self.planned.warmup if self.planned else 0
+            self.planned = Planned(event.systems, event.first_step + event.steps - warmup, warmup)
+            if self._bar is not None:
+                self._bar.update(self._task, total=self.done + len(event.systems) * event.steps)
+            self._status(f"{event.reason}: {', '.join(event.systems)}")
         elif isinstance(event, StepDone):
             self._step(event)
 
@@ -160,4 +179,4 @@ class _PhaseSeconds(ProgressColumn):
         return Text(f"{self.clock.phase_seconds():.0f} s in phase", style="progress.elapsed")
 
 
-__all__ = ["JobProgress", "Planned", "StepDone", "Status"]
+__all__ = ["Continued", "JobProgress", "Planned", "StepDone", "Status"]

@@ -83,6 +83,14 @@ class SystemResult:
     def backward_collectives(self) -> list[Collective]:
         return [c for c in self.collectives if c.phase == BACKWARD]
 
+    def extend(self, more: SystemResult) -> None:
+        """Append the steps of a later `run_interleaved` of the same system (its losses,
+        times and phases); the collectives stay those of the first run."""
+        self.losses.extend(more.losses)
+        self.step_ms.extend(more.step_ms)
+        for phase, times in more.phase_ms.items():
+            self.phase_ms.setdefault(phase, []).extend(times)
+
     def step_collectives(self) -> list[Collective]:
         return [c for c in self.collectives if c.phase == STEP]
 
@@ -97,6 +105,9 @@ class InterleaveOptions:
     """Steps per system run first and not timed (allocations, first-call costs)."""
     device: str = "cpu"
     """Where the model lives; CUDA devices are synchronised at every phase's end."""
+    first_step: int = 0
+    """Index of the first step: its batch and the step number `on_step` gets. A run that
+    continues an earlier one (more steps for some systems) starts where that one ended."""
 
 
 def run_interleaved(systems: Sequence[System], batch: Callable[[int], Batch],
@@ -109,7 +120,7 @@ def run_interleaved(systems: Sequence[System], batch: Callable[[int], Batch],
     local_whole = torch.zeros(len(systems), options.steps, dtype=torch.float64)
     index = {s.name: i for i, s in enumerate(systems)}
     for step in range(total):
-        x, y = batch(step)
+        x, y = batch(options.first_step + step)
         x, y = x.to(options.device), y.to(options.device)
         shift = step % len(systems)
         for system in list(systems[shift:]) + list(systems[:shift]):
@@ -132,7 +143,7 @@ def run_interleaved(systems: Sequence[System], batch: Callable[[int], Batch],
                 local_phases[i, k] = torch.tensor([t1 - t0, t2 - t1, t3 - t2]) * 1e3
                 local_whole[i, k] = (t3 - t0) * 1e3
             if on_step is not None:
-                on_step(system.name, step)
+                on_step(system.name, options.first_step + step)
     # One reduction at the end, so result bookkeeping never sits inside a timed step.
     losses = _reduced(local_losses, dist.ReduceOp.SUM, options.device) / dist.get_world_size()
     phases = _reduced(local_phases, dist.ReduceOp.MAX, options.device)

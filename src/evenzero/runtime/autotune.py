@@ -242,8 +242,8 @@ def refine_bucket_numel(spec: ModelSpec, world_size: int, timings: Sequence[Back
         return RefinedBucket(None, "bucket_numel auto: no group of two or more ranks, so "
                                    "nothing to refine at run time", 0.0)
     if cost is None:
-        cost = quick_cost_model(target, f"measured-w{world_size}", optimizer_seconds, how,
-                                options.optimizer_impl)
+        cost = quick_cost_model(target, f"measured by this job on its {world_size} ranks",
+                                optimizer_seconds, how, options.optimizer_impl)
     outcome = None
     if dist.get_rank(world_group) == 0:
         try:
