@@ -178,7 +178,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path):
                                           "--ep-size", "2")
     assert "unknown cost preset 'tpu-v5'" in fails(
         capsys, "plan", "seed-moe", "--world-size", "8", "--cost", "tpu-v5")
-    assert "expected OP.FIELD=VALUE" in fails(
+    assert "expected KEY=V, e.g. reduce.alpha_us=160" in fails(
         capsys, "plan", "seed-moe", "--world-size", "8", "--cost-param", "reduce.alpha_us")
     assert "does not exist" in fails(capsys, "plan", "seed-moe", "--world-size", "8",
                                      "--plot", str(tmp_path / "no" / "such" / "dir.png"))

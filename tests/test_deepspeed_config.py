@@ -107,6 +107,23 @@ def test_unsupported_optimizers_are_errors_naming_the_key(extra, key):
         optimizer_from_config(cfg.optimizer)
 
 
+def test_hf_auto_values_outside_hf_name_every_key_and_who_fills_them():
+    """Issue 29: `"enabled": "auto"` used to fail as "bfloat16 and fp16 modes cannot be
+    simultaneously enabled" (`bool("auto")`), which says nothing about "auto"."""
+    raw = {**BASE, "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+           "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
+    with pytest.raises(DeepSpeedConfigError) as e:
+        parse_config(raw, 2)
+    assert str(e.value).startswith(
+        "config key 'fp16.enabled' = \"auto\" (and bf16.enabled, "
+        "zero_optimization.reduce_bucket_size): \"auto\" values are filled in only by HF "
+        "Trainer and Accelerate")
+    assert "simultaneously" not in str(e.value)
+    # The same keys with values are fine.
+    assert parse_config({**BASE, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                         "fp16": {"enabled": False}}, 2).precision.fp16 is False
+
+
 def test_no_op_keys_are_accepted_and_say_why():
     raw = {**BASE, "zero_optimization": {"stage": 2, "overlap_comm": True,
                                          "contiguous_gradients": True, "reduce_scatter": True,

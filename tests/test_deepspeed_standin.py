@@ -49,7 +49,9 @@ for n in ("deepspeed.ops.adagrad", "deepspeed.runtime.zero.partition_parameters"
         errors[n] = None
     except ModuleNotFoundError as e:
         errors[n] = str(e)
+        out.setdefault("error_types", set()).add(type(e).__name__)
 out["errors"] = errors
+out["error_types"] = sorted(out.get("error_types", ()))
 print("RESULT" + json.dumps(out))
 """
 
@@ -83,6 +85,8 @@ def test_deepspeed_resolves_to_evenzero_module_for_module():
     assert "ZeRO stage 3" in errors["deepspeed.runtime.zero.partition_parameters"]
     assert "pipeline parallelism" in errors["deepspeed.pipe"]
     assert "not this module" in errors["deepspeed.no_such_module"]
+    # What `evenzero run` tells from a crash (evenzero.deepspeed.uncaught).
+    assert out["error_types"] == ["RefusedModuleError"]
     notices = [line for line in proc.stderr.splitlines() if "stands in for DeepSpeed" in line]
     assert len(notices) == 1 and notices[0].startswith("evenzero run:")
 

@@ -7,7 +7,7 @@ import io
 from rich.console import Console
 
 from evenzero.repro.localrun import RanksJoined
-from evenzero.repro.progress import JobProgress, Planned, Status, StepDone
+from evenzero.repro.progress import Continued, JobProgress, Planned, Status, StepDone
 
 
 def events(systems: tuple[str, ...], steps: int, warmup: int) -> list:
@@ -54,3 +54,26 @@ def test_status_text_is_not_markup():
     with JobProgress(2, Console(file=buffer, width=100)) as progress:
         progress(Status("install 'evenzero[deepspeed]'"))
     assert "install 'evenzero[deepspeed]'" in buffer.getvalue()
+
+
+def test_more_steps_for_the_open_verdicts_extend_the_bar_and_the_log():
+    """After 2 measured steps (1 warm-up) of three systems, 2 more for evenzero and ddp."""
+    first = events(("evenzero", "deepspeed", "ddp"), 2, 1)
+    more = [Continued(("evenzero", "ddp"), 3, 2, "verdict open after 2 steps (ddp: ...)")]
+    more += [StepDone(name, step) for step in (3, 4) for name in ("evenzero", "ddp")]
+    console = Console(file=io.StringIO(), force_terminal=True, width=100)
+    with JobProgress(4, console) as progress:
+        for event in first + more:
+            progress(event)
+        task = progress._bar.tasks[0]
+        assert task.total == 9 + 4 and task.completed == 13
+        assert task.description == "step 5/5 ddp"
+    buffer = io.StringIO()
+    with JobProgress(4, Console(file=buffer, width=200)) as progress:
+        for event in first + more:
+            progress(event)
+    lines = [line.split("] ", 1)[1] for line in buffer.getvalue().splitlines()]
+    assert lines[-4:] == ["step 3/3 done on 3 system(s)",
+                          "verdict open after 2 steps (ddp: ...): evenzero, ddp",
+                          "step 4/5 done on 2 system(s)",
+                          "step 5/5 done on 2 system(s)"]

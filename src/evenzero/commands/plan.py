@@ -3,7 +3,7 @@
     evenzero plan MODEL --world-size W [--ep-size E] [--strategy S ... | all]
                   [--bucket-numel B|auto] [--round-robin] [--json] [--markdown] [--plot FILE.png]
                   [--cost PRESET|FILE.json] [--alpha-us A] [--busbw-gbs B]
-                  [--cost-param OP.FIELD=V ...]
+                  [--cost-param KEY=V ...]
                   [--timeline] [--timeline-plot FILE.png] [--tokens N]
 
 Pure planning: never imports torch. The table fits the terminal (less important columns
@@ -77,8 +77,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--busbw-gbs", type=finite_float(0.0, inclusive=False), metavar="B",
                    help="bus bandwidth of every collective, GB/s")
     p.add_argument("--cost-param", action="append", metavar="KEY=V",
-                   help="override one cost parameter, e.g. reduce.alpha_us=160, "
-                        "all_reduce.tree.busbw_gbs=300, reference_ranks=64 (repeatable)")
+                   help="override one cost parameter (repeatable). KEY is OP.FIELD for every "
+                        "variant of a collective (reduce.alpha_us=160), OP.VARIANT.FIELD for "
+                        "one variant (all_reduce.tree.busbw_gbs=300), or a field of the "
+                        "whole model (reference_ranks=64)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -251,8 +253,8 @@ def cost_model_from(args: argparse.Namespace) -> tuple[CostModel, str]:
     for item in args.cost_param or ():
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise CostModelError(f"--cost-param {item!r}: expected OP.FIELD=VALUE, "
-                                 f"e.g. reduce.alpha_us=160")
+            raise CostModelError(f"--cost-param {item!r}: expected KEY=V, e.g. "
+                                 f"reduce.alpha_us=160 (see evenzero plan --help)")
         assignments[key.strip()] = _finite(item, value.strip())
     if assignments:
         model = model.with_params(assignments)

@@ -128,7 +128,7 @@ def refusals(directory: Path) -> list[Refusal]:
     if not records.is_dir():
         return []
     out = []
-    for path in sorted(records.glob("refusal-*.json"), key=lambda p: p.stat().st_mtime_ns):
+    for path in sorted(records.glob("refusal-*.json"), key=lambda p: (p.stat().st_mtime_ns, p.name)):
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):

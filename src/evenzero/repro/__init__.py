@@ -233,17 +233,14 @@ def repro_worker(ctx, config: ReproConfig) -> dict[str, Any]:
 
 def continue_reason(results, more: int) -> str:
     """Why the job measures `more` steps: the open verdicts, with their intervals."""
-    from evenzero.repro.verdict import verdicts
+    from evenzero.repro.verdict import CONFIDENCE, verdicts
 
     open_ones = [v for v in verdicts({r.name: r.step_ms for r in results}) if not v.decided]
-    what = "; ".join(f"{v.peer}: {_interval(v)} crosses {v.target:g}" for v in open_ones)
+    what = "; ".join(f"{v.peer}: {CONFIDENCE:.0%} interval {v.low:.2f}-{v.high:.2f} crosses "
+                     f"{v.target:g}" if v.low == v.low else  # nan: too few steps
+                     f"{v.peer}: too few steps for a {CONFIDENCE:.0%} interval"
+                     for v in open_ones)
     return f"verdict open after {open_ones[0].steps} steps ({what}): {more} more steps"
-
-
-def _interval(v) -> str:
-    if v.low != v.low:  # nan: too few steps for an interval
-        return "too few steps for an interval, which"
-    return f"99% interval {v.low:.2f}-{v.high:.2f}"
 
 
 def bucket_record(systems, config: ReproConfig) -> dict[str, Any] | None:

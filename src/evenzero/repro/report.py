@@ -24,8 +24,8 @@ from evenzero.repro.verdict import (
     verdicts,
 )
 
-FULL_BENCHMARK = ('BENCHMARKS.md, "Seed case side by side" (`evenzero repro --steps 30`) and, '
-                  'with no tuning arguments, "Defaults against DDP and FSDP2" '
+FULL_BENCHMARK = ('BENCHMARKS.md, "Seed case side by side" (this command, run twice back to '
+                  'back) and "Defaults against DDP and FSDP2" '
                   '(`python benchmarks/defaults.py --cases seed`)')
 """Where the longer runs of this comparison are, with their commands."""
 PHASE_LABELS = {"forward": "forward", "backward": "backward", "step": "step+zero_grad"}
@@ -52,11 +52,11 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> bool
     line = bucket_line(report)
     if line:
         console.print(line, highlight=False)
-    console.print(collectives_table(systems, report["numel_per_rank"]))
-    console.print("  Captured in one more, untimed step per system. DDP's C++ reducer calls the "
-                  "process group directly, so for that step DDP reduces through the stock "
-                  "allreduce_hook (the same buckets); its timed steps use the reducer itself.",
-                  highlight=False)
+    console.print(collectives_table(systems))
+    console.print(f"  {collectives_legend(systems, report['numel_per_rank'])} Captured in one "
+                  f"more, untimed step per system. DDP's C++ reducer calls the process group "
+                  f"directly, so for that step DDP reduces through the stock allreduce_hook (the "
+                  f"same buckets); its timed steps use the reducer itself.", highlight=False)
     seed = next((s for s in systems if s["name"] == "deepspeed-0.6-schedule"), None)
     if seed is not None:
         console.print(seed_table(seed, report["numel_per_rank"]))
@@ -65,6 +65,10 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> bool
                       "never reduced. evenzero's runtime hooks every parameter and checks that each "
                       "gradient arrived, so the same schedule has a 14th row for the gate.")
     console.print(time_table(systems))
+    console.print(f"  {RATIO_LABEL}: the median, over the steps both ran, of evenzero's whole "
+                  f"step over this system's in the same step (under 1: evenzero is faster); the "
+                  f"verdicts below use the same ratio. steps: measured steps (the systems whose "
+                  f"verdict was still open ran more).", highlight=False)
     console.print(loss_table(systems))
     ok, lines = loss_agreement(systems)
     for line in lines:
@@ -119,19 +123,24 @@ def bucket_line(report: dict[str, Any]) -> str | None:
     return f"{what}. Its plan's note: {escape(bucket['note'])}"
 
 
-def collectives_table(systems: list[dict], numel_per_rank: int | None = None) -> Table:
-    caption = ("ops: count and collective / ranks in its group (reduce_scatter/8: a "
-               "reduce-scatter over 8 ranks). roots: each reduce's destination rank, in issue "
-               "order. elements: the sum of the messages")
+def collectives_legend(systems: list[dict], numel_per_rank: int) -> str:
+    """How to read the collectives table, with each system's padding."""
+    text = ("ops: count and collective / ranks in its group (reduce_scatter/8: a reduce-scatter "
+            "over 8 ranks). roots: each reduce's destination rank, in issue order. elements: "
+            "the sum of the messages")
     padded = [(s["name"], sum(c["numel"] for c in s["backward_collectives"]) - numel_per_rank)
-              for s in systems if numel_per_rank is not None]
+              for s in systems]
     padded = [(name, extra) for name, extra in padded if extra > 0]
     if padded:
-        caption += ("; " + ", ".join(f"{name}'s include {extra:,} elements of padding"
-                                     for name, extra in padded)
-                    + f" beyond the model's {numel_per_rank:,} (each bucket is padded so "
-                      "that it splits into equal, aligned shards)")
-    t = titled("Backward collectives each system issued (captured at run time)", caption + ".")
+        text += ("; " + ", ".join(f"{escape(name)}'s include {extra:,} elements of padding"
+                                  for name, extra in padded)
+                 + f" beyond the model's {numel_per_rank:,} (each bucket is padded so that it "
+                   f"splits into equal, aligned shards)")
+    return text + "."
+
+
+def collectives_table(systems: list[dict]) -> Table:
+    t = titled("Backward collectives each system issued (captured at run time)")
     for col in ("system", "calls", "ops", "message sizes (elements)", "roots", "elements"):
         t.add_column(col, justify="right" if col in ("calls", "elements") else "left")
     for s in systems:
@@ -170,10 +179,8 @@ def seed_table(system: dict, numel_per_rank: int) -> Table:
 
 def time_table(systems: list[dict]) -> Table:
     t = titled("Step time by phase, ms: slowest rank, median over the measured steps",
-               f"whole step = forward + backward + step on each rank, slowest rank per step; "
-               f"ddp is DDP's C++ reducer. {RATIO_LABEL}: the median, over the steps both ran, "
-               f"of evenzero's whole step over this system's in the same step (under 1: "
-               f"evenzero is faster); the verdicts below use the same ratio")
+               "whole step = forward + backward + step on each rank, slowest rank per step; "
+               "ddp is DDP's C++ reducer")
     cols = ["system", "steps", *PHASE_LABELS.values(), "whole step", "min-max", RATIO_LABEL]
     for col in cols:
         t.add_column(col, justify="left" if col == "system" else "right")
