@@ -70,8 +70,10 @@ def test_a_refused_key_under_torchrun_is_one_message_without_tracebacks(tmp_path
         "(ranks and launcher) are not shown (EVENZERO_DEBUG=1 shows them)"]
 
 
+@pytest.mark.slow
 def test_a_refused_stage_in_one_process(tmp_path):
-    """`python script` (one process, no launcher)."""
+    """Slow set (a third `evenzero run`, ~10 s on a shared machine): `python script`, one
+    process and no launcher; the rank-side path is the torchrun test's."""
     (tmp_path / "train.py").write_text(SCRIPT)
     proc = evenzero_run(sys.executable, "train.py", '{"stage": 3}', cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -166,3 +168,21 @@ def test_summary_groups_ranks_and_names_disagreement(tmp_path, monkeypatch):
                          "evenzero run: the ranks were refused for different reasons: their "
                          "configs or code paths differ"]
     assert uncaught.summary(tmp_path / "none", 0) == []
+
+
+def test_the_banner_points_to_help_that_ships_and_lists_the_refusals(capsys):
+    """Issue 29: the banner named docs/why.md, which a pip install does not have."""
+    from evenzero import cli
+    from evenzero.commands.run import NOTICE
+    from evenzero.deepspeed.config_keys import REFUSED_SECTIONS, ZERO_REFUSED
+    from evenzero.deepspeed.refusals import REFUSED_MODULES
+
+    assert "docs/" not in NOTICE and "`evenzero run --help` lists what it refuses" in NOTICE
+    with pytest.raises(SystemExit) as done:
+        cli.main(["run", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # unwrapped
+    for key in [*ZERO_REFUSED, *REFUSED_SECTIONS, *(f"deepspeed.{m}" for m in REFUSED_MODULES)]:
+        assert f"{key}" in text, key
+    assert "stage: 3 (ZeRO-3)" in text and '"auto" values' in text
+    assert "printed once by `evenzero run`" in text

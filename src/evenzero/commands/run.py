@@ -47,7 +47,8 @@ def _refused_text() -> str:
     for where, items in refused_features().items():
         lines.append(f"  {where}:")
         for item in items:
-            lines += textwrap.wrap(item, 88, initial_indent="    ", subsequent_indent="      ")
+            lines += textwrap.wrap(item, 88, initial_indent="    ", subsequent_indent="      ",
+                                   break_on_hyphens=False)
     lines.append('  "auto" values (HF\'s placeholders): filled in only by HF Trainer and '
                  "Accelerate;")
     lines.append("    a script that calls deepspeed.initialize itself must give values")

@@ -213,8 +213,13 @@ def _next_sitecustomize() -> None:
     import importlib.machinery
     import importlib.util
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    def standin(entry: str) -> bool:  # this copy's directory, or an outer job's
+        directory = os.path.abspath(entry or os.curdir)
+        return (os.path.isdir(os.path.join(directory, RECORDS))
+                and os.path.isfile(os.path.join(directory, "sitecustomize.py"))
+                and os.path.isdir(os.path.join(directory, "deepspeed")))
+
+    path = [entry for entry in sys.path if not standin(entry)]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
     if spec is None or spec.loader is None:
         return
