@@ -20,7 +20,7 @@ GATE_ROW = (7, 10010000, 16000)
 
 @pytest.mark.slow
 def test_seed_case_on_eight_ranks():
-    report = run(ReproConfig(world_size=8, steps=3, warmup=1,
+    report = run(ReproConfig(world_size=8, steps=3, max_steps=3, warmup=1,
                              systems=("evenzero", "deepspeed-0.6-schedule", "ddp")))
     assert report["numel_per_rank"] == 10_026_000
     by_name = {s["name"]: s for s in report["systems"]}

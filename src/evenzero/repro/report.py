@@ -117,6 +117,9 @@ def bucket_line(report: dict[str, Any]) -> str | None:
     if bucket["requested"] == "auto":
         what = (f"evenzero's bucket size: the library's default, \"auto\", which ran "
                 f"{size} ({bucket['buckets']} buckets)")
+        if report["config"]["warmup"] < 2:  # refined at the end of the second backward
+            what += (" (refined in a measured step, whose time includes it; --warmup 2 or "
+                     "more keeps it out)")
     else:
         what = (f"evenzero's bucket size: {bucket['requested']:,} elements, fixed by "
                 f"--bucket-numel ({bucket['buckets']} buckets)")
