@@ -314,6 +314,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if self.last_step_skipped:
                 scaler.update(overflow=True)
                 self._engine.zero_grads()
+                self._engine.error_feedback.drop()  # computed from non-finite gradients
             else:
                 stepped = self._backward.present(stats)
                 seconds = self._engine.step(self.param_groups, stepped, self._recorder,
