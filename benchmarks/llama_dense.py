@@ -159,13 +159,13 @@ def batch(c: LlamaConfig, step: int, rank: int, world_size: int):
 
 def llama_worker(ctx, payload: dict) -> dict:
     from evenzero.repro.baselines import DDPSystem, FSDP2System
-    from evenzero.repro.systems import BY_NAME
     from evenzero.repro.sidebyside import (
         PHASES,
         EvenzeroSystem,
         InterleaveOptions,
         run_interleaved,
     )
+    from evenzero.repro.systems import BY_NAME
 
     c = LlamaConfig(**payload["config"])
     systems = []

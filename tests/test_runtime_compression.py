@@ -13,11 +13,11 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from tests.dist_helpers import run_distributed
 
 from evenzero import checkpoint
 from evenzero.runtime import ZeroConfig, ZeroConfigError, ZeroOptimizer
 from evenzero.runtime.compression import CompressedReduceScatter
-from tests.dist_helpers import run_distributed
 
 
 class _Arena:
@@ -104,7 +104,7 @@ def _one_step(rank: int, mode, sent: list, **kw):
     opt.step()
     trace, plan = opt.trace, opt.plan
     assert trace == plan.backward() + plan.step(), (trace, plan.backward())
-    delta = torch.cat([(b - p.detach()).reshape(-1) for b, p in zip(before, model.parameters())])
+    delta = torch.cat([(b - p.detach()).reshape(-1) for b, p in zip(before, model.parameters(), strict=True)])
     nbytes = sum(sent)
     sent.clear()
     opt.close()

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
+from evenzero.cost.compute import estimate_profile
 from evenzero.cost.memory import estimate_memory
 from evenzero.cost.presets import PRESETS
 from evenzero.cost.timeline import simulate
-from evenzero.cost.compute import estimate_profile
 from evenzero.model_presets import seed_moe
 from evenzero.plan import PlanError
 from evenzero.spec import ModelSpec, ParamSpec

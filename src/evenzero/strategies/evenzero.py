@@ -51,7 +51,6 @@ from evenzero.plan import (
     step_check,
 )
 from evenzero.spec import DTYPE_BYTES, ModelSpec
-from evenzero.wire import chunk_alignment
 from evenzero.strategies.common import (
     PlanOptions,
     all_gathers,
@@ -62,6 +61,7 @@ from evenzero.strategies.common import (
     message_itemsize,
     step_work,
 )
+from evenzero.wire import chunk_alignment
 
 DEFAULT_OPTIMIZER_IMPL = "fused"
 """The inner optimizer implementation the runtime runs when the user chose none: torch's
