@@ -38,7 +38,7 @@ def _exchange(mode: str, xs: list[torch.Tensor], residuals=None, block: int = 64
     for i, x in enumerate(xs):
         b = rs.allocate(_Arena(rs.pool_numel(n, 4)), x)
         r = None if residuals is None else residuals[i]
-        (rs._encode_bf16(b, x, r) if mode == "bf16" else rs._encode_int8(b, x, r, world))
+        rs.encode(b, x, world, r)
         bufs.append(b)
     for k, b in enumerate(bufs):
         b.recv.view(world, -1).copy_(torch.stack([s.send.view(world, -1)[k] for s in bufs]))

@@ -100,14 +100,18 @@ class CompressedReduceScatter:
     def __call__(self, buffers: Buffers, message: torch.Tensor, group: Any,
                  residual: torch.Tensor | None = None) -> Any:
         """Encode `message` (plus `residual`, updated in place) and start the all-to-all."""
-        size = dist.get_world_size(group)
-        with torch.no_grad():
-            if self.mode == "bf16":
-                self._encode_bf16(buffers, message, residual)
-            else:
-                self._encode_int8(buffers, message, residual, size)
+        self.encode(buffers, message, dist.get_world_size(group), residual)
         return keep(dist.all_to_all_single(buffers.recv, buffers.send, group=group,
                                            async_op=True))
+
+    @torch.no_grad()
+    def encode(self, buffers: Buffers, message: torch.Tensor, group_size: int,
+               residual: torch.Tensor | None = None) -> None:
+        """Write `message` (plus `residual`, updated in place) encoded into `buffers.send`."""
+        if self.mode == "bf16":
+            self._encode_bf16(buffers, message, residual)
+        else:
+            self._encode_int8(buffers, message, residual, group_size)
 
     def chunk(self, buffers: Buffers, group_size: int, sum_dtype: torch.dtype) -> torch.Tensor:
         """This rank's chunk, summed over the ranks in `sum_dtype`, once the work is done.
