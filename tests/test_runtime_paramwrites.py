@@ -129,6 +129,23 @@ def test_the_cheap_check_changes_nothing_without_writes_and_only_written_chunks(
     assert torch.equal(master[:3], precise[:3]) and torch.equal(master[701:], precise[701:])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_sync_free_merge_gives_the_checked_result(dtype):
+    """The accelerator path (no host sync per chunk) merges every chunk unconditionally:
+    the same masters as the checked path, written elements and kept precision alike."""
+    torch.manual_seed(2)
+    master = torch.randn(1000)
+    owned = master.to(dtype)
+    owned[[3, 700]] = torch.tensor([0.0, 5.0], dtype=dtype)
+    owned[500] = float("nan")
+    checked, merged = master.clone(), master.clone()
+    scratch = torch.empty(64, dtype=dtype)
+    assert pick_up(checked, owned, scratch, sync_free=False)
+    assert pick_up(merged, owned, scratch, sync_free=True) is None
+    assert torch.equal(checked.view(torch.int32), merged.view(torch.int32))
+    assert (merged != master).nonzero().flatten().tolist() == [3, 500, 700]
+
+
 def test_pick_up_fp32_is_a_copy_and_nan_propagates():
     m = torch.zeros(4)
     pick_up(m, torch.tensor([1.0, 2.0, 3.0, 4.0]))

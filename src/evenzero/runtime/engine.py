@@ -30,7 +30,7 @@ from evenzero.runtime.errorfeedback import ErrorFeedback
 from evenzero.runtime.gradclear import ClearTracker
 from evenzero.runtime.maskedstep import share_param_state
 from evenzero.runtime.memory import MemoryReport, measure
-from evenzero.runtime.paramwrites import CHECK_NUMEL, adopt_replaced
+from evenzero.runtime.paramwrites import adopt_replaced, check_numel
 from evenzero.runtime.prefetch import ParamGathers
 from evenzero.runtime.reducer import GradientReducer, ReducerConfig
 from evenzero.runtime.routes import BucketRoute, plan_routes
@@ -177,7 +177,7 @@ class ShardEngine:
         if shard.aliased or not shard.pieces:
             return None
         dtype = shard.param_dtype
-        want = min(CHECK_NUMEL, max(p.numel for p in shard.pieces))
+        want = min(check_numel(shard.placement.master), max(p.numel for p in shard.pieces))
         buf = self._scratch.get(dtype)
         if buf is None or buf.numel() < want:
             buf = self._scratch[dtype] = torch.empty(want, dtype=dtype,
