@@ -16,14 +16,14 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 try:
     import evenzero  # noqa: F401
 except ImportError:
     sys.path.insert(0, str(HERE.parent / "src"))
-
-import torch
 
 BLOCKS = (32, 64, 128, 256, 512, 1024, 4096)
 WORLD = 4
