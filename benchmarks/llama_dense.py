@@ -40,6 +40,9 @@ from torch import nn
 from evenzero.repro.localrun import LaunchOptions, launch
 
 SYSTEMS = ("evenzero", "ddp", "fsdp2")
+COMPRESSED = ("evenzero-bf16", "evenzero-int8", "evenzero-int8-ef", "ddp-bf16-hook")
+"""Further systems `--systems` may name (`evenzero.repro.systems`: grad_compression and
+DDP's bf16_compress_hook)."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,7 @@ def llama_worker(ctx, payload: dict) -> dict:
         InterleaveOptions,
         run_interleaved,
     )
+    from evenzero.repro.systems import BY_NAME
 
     c = LlamaConfig(**payload["config"])
     systems = []
@@ -169,8 +173,12 @@ def llama_worker(ctx, payload: dict) -> dict:
         model = Llama(c).to(ctx.device)
         if name == "evenzero":  # EvenzeroSystem passes lr, weight_decay, stage, strategy only
             systems.append(EvenzeroSystem("evenzero", model, loss_fn))
-        elif name == "ddp":
-            systems.append(DDPSystem(model, loss_fn))
+        elif name.startswith("evenzero-"):
+            systems.append(EvenzeroSystem(name, model, loss_fn,
+                                          extra=dict(BY_NAME[name].settings)))
+        elif name.startswith("ddp"):
+            systems.append(DDPSystem(model, loss_fn, name=name,
+                                     comm_hook=BY_NAME[name].comm_hook))
         else:
             systems.append(FSDP2System(model, loss_fn, lambda m: list(m.blocks)))
     results = run_interleaved(systems, lambda step: batch(c, step, ctx.rank, ctx.world_size),
@@ -227,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     systems = tuple(s for s in args.systems.split(",") if s)
-    if not systems or any(s not in SYSTEMS for s in systems):
-        p.error(f"--systems: choose from {', '.join(SYSTEMS)}")
+    if not systems or any(s not in SYSTEMS + COMPRESSED for s in systems):
+        p.error(f"--systems: choose from {', '.join(SYSTEMS + COMPRESSED)}")
     config = TINY if args.tiny else LlamaConfig(seq=args.seq)
     report = run(args.world_size, config, systems, args.steps, args.warmup)
     print("\n".join(summary(report)))

@@ -15,7 +15,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "evenzero"
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("spec/plan", ("evenzero.spec", "evenzero.spec_json", "evenzero.userjson",
+    ("spec/plan", ("evenzero.spec", "evenzero.spec_json", "evenzero.userjson", "evenzero.wire",
                    "evenzero.model_presets", "evenzero.plan")),
     ("cost", ("evenzero.cost.*",)),
     ("strategies", ("evenzero.strategies.*",)),

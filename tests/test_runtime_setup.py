@@ -19,8 +19,11 @@ from evenzero.strategies import REGISTRY, PlanOptions
 
 CHANGED = {"stage": 1, "bucket_numel": 4096, "alignment_bytes": 256, "reduce_dtype": "bf16",
            "master_dtype": "float64", "max_buckets_in_flight": 3, "overlap_param_gather": True,
-           "optimizer_impl": "fused"}
+           "optimizer_impl": "fused", "grad_compression": "int8", "grad_compression_block": 1024,
+           "grad_compression_error_feedback": True}
 """A value other than the default for every field `PLAN_OPTION_OF` maps."""
+NEEDS = {"grad_compression_error_feedback": {"grad_compression": "int8"}}
+"""Settings a changed field is only valid with (set on both sides of the comparison)."""
 
 
 def test_every_config_field_is_a_plan_option_or_on_the_runtime_only_list():
@@ -38,8 +41,9 @@ def test_every_config_field_is_a_plan_option_or_on_the_runtime_only_list():
 
 @pytest.mark.parametrize("field", sorted(CHANGED))
 def test_plan_options_carry_the_field_and_nothing_else(field):
-    default = plan_options(ZeroConfig())
-    changed = plan_options(ZeroConfig(**{field: CHANGED[field]}))
+    context = NEEDS.get(field, {})
+    default = plan_options(ZeroConfig(**context))
+    changed = plan_options(ZeroConfig(**context, **{field: CHANGED[field]}))
     target = PLAN_OPTION_OF[field]
     assert getattr(changed, target) != getattr(default, target)
     others = [f.name for f in dataclasses.fields(PlanOptions) if f.name != target]

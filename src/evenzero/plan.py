@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
 
+from evenzero.wire import wire_bytes
+
 
 class PlanError(ValueError):
     """Bad planning input (world size, bucket size, groups); the message names the fix."""
@@ -140,7 +142,12 @@ class Collective:
     segments: tuple[tuple[int, int], ...] = ()
     """(offset, numel) pieces that are flattened into one message, when not contiguous."""
     itemsize: int = 4
-    """Bytes per element of the message."""
+    """Bytes per element of the message as the bucket holds it (before compression)."""
+    compression: str | None = None
+    """How the message travels (`evenzero.wire`): None, exact values; "bf16" or "int8"
+    (blockwise scales), sent by one all-to-all and summed in fp32 by the receiver."""
+    block_numel: int = 0
+    """Elements per int8 scale (`compression="int8"`); 0 otherwise."""
     algorithm: str = field(default="", compare=False)
     """How the runtime carried out the op (e.g. "all_to_all+sum"); not part of equality."""
 
@@ -151,7 +158,18 @@ class Collective:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.itemsize
+        """Bytes of the message on the wire (compressed ones with their scales)."""
+        return wire_bytes(self.compression, self.numel, self.itemsize, self.block_numel or 1)
+
+    @property
+    def wire(self) -> str:
+        """Bytes per element on the wire, as `format_schedule` prints them: "4", "2 bf16",
+        "1+4/256 int8"."""
+        if self.compression == "int8":
+            return f"1+4/{self.block_numel} int8"
+        if self.compression:
+            return f"{self.nbytes // max(1, self.numel)} {self.compression}"
+        return str(self.itemsize)
 
     def pieces(self) -> tuple[tuple[int, int], ...]:
         return self.segments or ((self.offset, self.numel),)
@@ -187,8 +205,8 @@ class Schedule(tuple):
 
 def format_schedule(calls: Iterable[Collective]) -> str:
     """One row per call: op, group, ranks, root, buffer (bucket or layout index), offset
-    in it, elements (and segments), bytes per element and, for a runtime trace, how the
-    call was carried out."""
+    in it, elements (and segments), bytes per element on the wire (with the compression,
+    if any) and, for a runtime trace, how the call was carried out."""
     head = ("#", "phase", "op", "group", "ranks", "root", "buffer", "offset", "elements",
             "bytes/el", "algorithm")
     rows = [head]
@@ -197,7 +215,7 @@ def format_schedule(calls: Iterable[Collective]) -> str:
         size = f"{c.numel:,}" + (f" in {len(c.segments)}" if c.segments else "")
         rows.append((str(i), c.phase, c.op, c.group, str(c.group_size),
                      "-" if c.root is None else str(c.root), where, f"{c.offset:,}", size,
-                     str(c.itemsize), c.algorithm or "-"))
+                     c.wire, c.algorithm or "-"))
     if len(rows) == 1:
         return "(no collectives)"
     widths = [max(len(r[k]) for r in rows) for k in range(len(head))]
@@ -256,6 +274,10 @@ class Execution:
     """True: the step's all-gathers run in the next forward, each before the compute
     that needs it (FSDP2; evenzero's `ZeroConfig.overlap_param_gather`, Megatron's
     option of the same name). False: the step waits for them."""
+    error_feedback: bool = False
+    """True: each compressed send first adds the rank's quantization residual to the
+    bucket and afterwards stores what the quantization lost (`evenzero.wire`), work the
+    timeline charges beside the codec's."""
 
     def __post_init__(self) -> None:
         m = self.max_in_flight
@@ -299,9 +321,12 @@ class MemoryModel:
     """Groups whose master is the parameters' own memory (evenzero: fp32 parameters with
     fp32 masters step the owned slice of the flat parameter buffer; DDP: the parameters
     themselves), so no separate master is held."""
+    residual_numel: int = 0
+    """Elements of error-feedback residual every rank holds (fp32, one per element of
+    every compressed bucket, padding included); 0 without error feedback."""
 
     def __post_init__(self) -> None:
-        for name in ("buckets_in_flight", "master_itemsize"):
+        for name in ("buckets_in_flight", "master_itemsize", "residual_numel"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise PlanError(f"{name} must be a non-negative integer, got {v!r}")

@@ -22,6 +22,10 @@ def collective_record(c: Collective) -> dict[str, Any]:
                            "offset": c.offset, "numel": c.numel, "itemsize": c.itemsize}
     if c.segments:
         out["segments"] = [list(s) for s in c.segments]
+    if c.compression:
+        out["compression"] = c.compression
+        out["block_numel"] = c.block_numel
+        out["wire_bytes"] = c.nbytes
     if c.algorithm:
         out["algorithm"] = c.algorithm
     return out
@@ -83,7 +87,8 @@ def summary_record(s: PlanSummary) -> dict[str, Any]:
         "predicted_backward_s": s.cost.backward_seconds,
         "predicted_step_s": s.cost.step_seconds,
         "memory_per_rank": {"grad_bytes": m.grad_bytes, "inflight_bytes": m.inflight_bytes,
-                            "optimizer_bytes": m.optimizer_bytes, "total_bytes": m.total_bytes,
+                            "optimizer_bytes": m.optimizer_bytes, "residual_bytes": m.residual_bytes,
+                            "total_bytes": m.total_bytes,
                             "basis": m.basis},
         "notes": list(s.notes),
     }

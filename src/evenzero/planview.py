@@ -95,9 +95,13 @@ COLUMNS = (
            lambda s: short_seconds(s.cost.step_seconds)),
     Column("grad mem/rank", "grad mem\n/rank", 4,
            lambda s: f"{human_bytes(s.cost.memory.grad_bytes)} + "
-                     f"{human_bytes(s.cost.memory.inflight_bytes)}",
+                     f"{human_bytes(s.cost.memory.inflight_bytes)}"
+                     + (f" + {human_bytes(s.cost.memory.residual_bytes)} residual"
+                        if s.cost.memory.residual_bytes else ""),
            lambda s: f"{short_bytes(s.cost.memory.grad_bytes)}+"
-                     f"{short_bytes(s.cost.memory.inflight_bytes)}"),
+                     f"{short_bytes(s.cost.memory.inflight_bytes)}"
+                     + (f"+{short_bytes(s.cost.memory.residual_bytes)}"
+                        if s.cost.memory.residual_bytes else "")),
     Column("optim mem/rank", "optim\nmem/rank", 7,
            lambda s: human_bytes(s.cost.memory.optimizer_bytes),
            lambda s: short_bytes(s.cost.memory.optimizer_bytes)),

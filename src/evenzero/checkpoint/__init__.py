@@ -66,6 +66,7 @@ from evenzero.checkpoint.format import CheckpointError, Manifest, step_dirname
 from evenzero.checkpoint.planchoices import choices_to_adopt
 from evenzero.checkpoint.protocol import PlanChoices, ShardedOptimizer
 from evenzero.checkpoint.reader import FileSource
+from evenzero.checkpoint.residuals import keeps_residuals, load_residuals, read_residuals
 from evenzero.checkpoint.staging import StagedState, apply, stage
 from evenzero.checkpoint.state import RankPlace, local_model
 from evenzero.checkpoint.userstate import read_user_state
@@ -176,20 +177,23 @@ def load(opt: ShardedOptimizer, path: str | os.PathLike, *, tag: str | None = No
                  f"the same directory")
     directory, manifest, choices = located
 
-    def read() -> tuple[Manifest, StagedState]:
+    def read() -> tuple[Manifest, StagedState, dict | None]:
         if choices is not None:
             # Collective, and before staging: the shards are read for the adopted plan.
             # Nothing here can fail on one rank only: every rank passes the same choices.
             opt.adopt_plan_choices(choices)
         with FileSource(directory, manifest) as source:
             staged = stage(opt, place, source)
+        residuals = (read_residuals(directory, manifest, place.rank, place.world_size)
+                     if keeps_residuals(opt) else None)
         return dataclasses.replace(manifest, extra=read_user_state(directory, manifest,
-                                                                   place.rank)), staged
+                                                                   place.rank)), staged, residuals
 
     result, err = attempt(read)
     agree(place, err, doing, same=manifest.step)
-    manifest, staged = result
+    manifest, staged, residuals = result
     apply(opt, staged)
+    load_residuals(opt, residuals)
     return manifest
 
 

@@ -33,6 +33,10 @@ where the ranks agree (`world_group`, `control_device`), the loss scaler
 settled about its plan while it ran (`plan_choices`: the bucket size an "auto" one was
 refined to, the measured arrival order), which a load at the same world size hands back
 (`adopt_plan_choices`) so that the resumed run executes the plan the saving run did.
+
+An optimizer that compresses gradients with error feedback also offers
+`ErrorFeedbackState`: each rank's residual per parameter, saved beside the shards and
+resharded by `evenzero.checkpoint.residuals`.
 """
 
 from __future__ import annotations
@@ -185,4 +189,26 @@ class ShardedOptimizer(Protocol):
         "auto" bucket size becomes its `bucket_numel` and is no longer refined, a fixed
         one is kept; None leaves that choice to this run. Re-plans (moving the shards)
         where the executed plan changes: a collective, every rank passes the same."""
+        ...
+
+
+@runtime_checkable
+class ErrorFeedbackState(Protocol):
+    """An optimizer that keeps per-rank error-feedback residuals (`ZeroOptimizer` with
+    `grad_compression_error_feedback=True`; checked with isinstance, so an optimizer
+    without them is checkpointed as before)."""
+
+    @property
+    def keeps_error_feedback(self) -> bool:
+        """Whether this optimizer keeps residuals now."""
+        ...
+
+    def error_feedback_state(self) -> Mapping[str, torch.Tensor]:
+        """This rank's residual per parameter: CPU fp32 copies, flat, in units of the
+        unscaled gradient; empty when it keeps none."""
+        ...
+
+    def load_error_feedback_state(self, residuals: Mapping[str, torch.Tensor]) -> None:
+        """Replace this rank's residuals (parameters not named: zero); ignored when it
+        keeps none."""
         ...

@@ -51,6 +51,7 @@ from evenzero.checkpoint.format import (
 from evenzero.checkpoint.planchoices import saved_choices
 from evenzero.checkpoint.protocol import PlanChoices, ShardedOptimizer
 from evenzero.checkpoint.reshard import runs_index, split_shard
+from evenzero.checkpoint.residuals import saved_residuals, write_residuals
 from evenzero.checkpoint.staging import OptimizerSource, StagedState, stage
 from evenzero.checkpoint.state import RankPlace, local_params, optimizer_class
 from evenzero.checkpoint.userstate import (
@@ -82,12 +83,15 @@ class RankSnapshot:
     choices: PlanChoices
     """What the run settled about its plan (recorded in the manifest, which a load at
     the same world size adopts)."""
+    residuals: Mapping[str, torch.Tensor] | None = None
+    """This rank's error-feedback residuals (`evenzero.checkpoint.residuals`), or None."""
 
     def nbytes(self) -> int:
         """Bytes of tensor data this snapshot holds (shards, extras, `extra=` tensors)."""
         tensors = [t for g in self.state.groups.values() for t in g.flats.values()]
         tensors += list(self.state.extras.values())
         tensors += list(self.user.tensors.values()) if self.user else []
+        tensors += list(self.residuals.values()) if self.residuals else []
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -104,7 +108,7 @@ def snapshot(opt: ShardedOptimizer, place: RankPlace, extra: Any,
                         params=local_params(opt),
                         group_sizes={g.name: g.size for g in opt.plan.groups},
                         strategy=opt.plan.strategy, optimizer_class=optimizer_class(opt),
-                        user=user, choices=saved_choices(opt))
+                        user=user, choices=saved_choices(opt), residuals=saved_residuals(opt))
 
 
 def publish(snap: RankSnapshot, place: RankPlace, root: Path, name: str, step: int) -> Path:
@@ -150,7 +154,9 @@ def write_rank(snap: RankSnapshot, staging: Path) -> FileRecord | None:
             stepped=tuple(sorted(g.stepped))))
     # Through the module attribute, so a test can make this write die half-way.
     record = checkpoint_io.write_file(staging / file, tensors, snap.rank)
-    index = RankIndex(record, tuple(params), tuple(groups), user)
+    residuals = (write_residuals(staging, snap.rank, snap.residuals)
+                 if snap.residuals else None)
+    index = RankIndex(record, tuple(params), tuple(groups), user, residuals)
     checkpoint_io.write_text(staging / index_name(snap.rank), index.dumps())
     if snap.rank != 0:
         return None
@@ -167,13 +173,16 @@ def finalise(snap: RankSnapshot, staging: Path, final: Path, step: int,
                    for n, t in snap.state.extras.items())
     scaler = snap.state.loss_scaler
     users = tuple(i.user_state for i in indices if i.user_state is not None)
+    users += tuple(i.residuals for i in indices if i.residuals is not None)
     manifest = Manifest(
         step=step, step_count=int(snap.state.step_count or 0), world_size=snap.world_size,
         strategy=snap.strategy, library_version=_version(),
         optimizer_class=snap.optimizer_class, groups=groups, params=params,
         files=tuple(i.file for i in indices) + users + ((extras_record,) if extras_record else ()),
         extras=extras, loss_scaler=encode_value(dict(scaler)) if scaler is not None else None,
-        user_state={u.rank: u.name for u in users}, bucket_numel=snap.choices["bucket_numel"],
+        user_state={i.user_state.rank: i.user_state.name for i in indices
+                    if i.user_state is not None},
+        bucket_numel=snap.choices["bucket_numel"],
         arrival=snap.choices["arrival"])
     # Parse what we are about to publish: a manifest that does not tile every parameter
     # would only be caught at load time, when the previous checkpoint may be gone.
@@ -210,21 +219,26 @@ class RankIndex:
     """This rank's view of hyperparameters and scalar state, checked equal on merge."""
     user_state: FileRecord | None = None
     """The file with this rank's `extra=` state, if it passed one."""
+    residuals: FileRecord | None = None
+    """The file with this rank's error-feedback residuals, if it keeps any."""
 
     def dumps(self) -> str:
         return json.dumps({"file": file_json(self.file),
                            "params": {p.key: param_json(p) for p in self.params},
                            "groups": [group_json(g) for g in self.groups],
-                           "user_state": file_json(self.user_state) if self.user_state else None})
+                           "user_state": file_json(self.user_state) if self.user_state else None,
+                           "residuals": file_json(self.residuals) if self.residuals else None})
 
     @staticmethod
     def loads(text: str) -> RankIndex:
         d = json.loads(text)
         user = d.get("user_state")
+        residuals = d.get("residuals")
         return RankIndex(file_parse(d["file"], "file"),
                          tuple(param_parse(k, p) for k, p in d["params"].items()),
                          tuple(group_parse(g, "group") for g in d["groups"]),
-                         file_parse(user, "user_state") if user else None)
+                         file_parse(user, "user_state") if user else None,
+                         file_parse(residuals, "residuals") if residuals else None)
 
 
 def merge_indices(indices: list[RankIndex]) -> tuple[tuple[StoredParam, ...],

@@ -38,6 +38,7 @@ from evenzero.spec import MAX_NUMEL, GroupSpec, ModelSpec
 from evenzero.spec_json import from_json
 from evenzero.strategies import STRATEGY_NAMES, PlanOptions, plan, strategy_names
 from evenzero.strategies.common import MAX_WORLD_SIZE
+from evenzero.wire import DEFAULT_BLOCK, MODES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,6 +57,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "auto, the size with the shortest predicted step)")
     p.add_argument("--round-robin", action="store_true",
                    help="DeepSpeed round_robin_gradients")
+    p.add_argument("--grad-compression", choices=MODES, default=None,
+                   help="evenzero's gradient reduce-scatter sends bf16, or int8 with one fp32 "
+                        "scale per block, summed in fp32 (default: exact values); the other "
+                        "strategies' bytes are shown beside it")
+    p.add_argument("--compression-block", type=int, default=DEFAULT_BLOCK, metavar="N",
+                   help=f"int8: elements per scale, a power of two (default {DEFAULT_BLOCK})")
+    p.add_argument("--error-feedback", action="store_true",
+                   help="with --grad-compression: plan the per-rank fp32 residual (memory) "
+                        "and its compute")
     p.add_argument("--json", action="store_true", help="print the plans as JSON")
     p.add_argument("--plot", metavar="FILE.png",
                    help="plot backward message sizes per call (.png added if no extension)")
@@ -95,7 +105,9 @@ def main(args: argparse.Namespace) -> int:
     names = strategies_from(args.strategy)
     model, why = cost_model_from(args)
     options = PlanOptions(bucket_numel=args.bucket_numel, round_robin=args.round_robin,
-                          cost_model=model)
+                          cost_model=model, grad_compression=args.grad_compression,
+                          compression_block=args.compression_block,
+                          error_feedback=args.error_feedback)
     warning = model.extrapolation_warning(args.world_size)
     if warning:
         warning = f"{warning}; {calibrate_hint(args.world_size)}"

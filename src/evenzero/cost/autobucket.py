@@ -56,6 +56,7 @@ from evenzero.cost.presets import H100
 from evenzero.cost.timeline import Timeline, simulate
 from evenzero.plan import Plan
 from evenzero.spec import DTYPE_BYTES, ModelSpec
+from evenzero.wire import scratch_bytes
 
 MIN_CANDIDATE = 2**16
 """Smallest bucket tried, in elements."""
@@ -123,8 +124,10 @@ def inflight_bytes(plan: Plan, max_in_flight: int | None = None) -> int:
     """Bucket input buffers the runtime's pool holds at most: one per bucket in flight
     (`max_in_flight`, default the plan's `Execution.max_in_flight`: None there means no
     limit, 0 one bucket at a time), each the size of the largest (an evenzero bucket is
-    one reduce-scatter)."""
-    sizes = [c.nbytes for c in plan.backward()]
+    one reduce-scatter), each with its compressed send and receive buffers, if any."""
+    sizes = [c.numel * c.itemsize + scratch_bytes(c.compression, c.numel, c.itemsize,
+                                                  c.block_numel or 1)
+             for c in plan.backward()]
     limit = plan.execution.max_in_flight if max_in_flight is None else max_in_flight
     held = len(sizes) if limit is None else min(max(limit, 1), len(sizes))
     return held * max(sizes, default=0)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from evenzero.plan import BACKWARD, GradsAtRest, MemoryModel, Plan
 from evenzero.spec import DTYPE_BYTES
+from evenzero.wire import RESIDUAL_ITEMSIZE, scratch_bytes
 
 FP32 = 4
 ADAM_STATES = 2
@@ -49,10 +50,12 @@ class MemoryEstimate:
     the elements this rank updates."""
     basis: str
     """One line on what was assumed for this strategy."""
+    residual_bytes: int = 0
+    """Error feedback's fp32 residual of every compressed bucket (`MemoryModel.residual_numel`)."""
 
     @property
     def total_bytes(self) -> int:
-        return self.grad_bytes + self.inflight_bytes + self.optimizer_bytes
+        return self.grad_bytes + self.inflight_bytes + self.optimizer_bytes + self.residual_bytes
 
 
 def _grad_itemsize(plan: Plan) -> dict[str, int]:
@@ -85,6 +88,14 @@ def estimate_memory(plan: Plan, bucket_numel: int | None = None) -> MemoryEstima
     # A bucket may span groups (DeepSpeed's one IPG bucket): charge the widest dtype.
     largest_bucket = max((b.numel * size.get(b.group, widest) for b in plan.buckets), default=0)
     inflight = model.buckets_in_flight * largest_bucket
+    # A compressed bucket's encoded send and receive buffers (and int8's fp32 scratch)
+    # come from its pool slot too, one per bucket in flight.
+    codec = max((scratch_bytes(c.compression, c.numel, c.itemsize, c.block_numel or 1)
+                 for c in plan.backward()), default=0)
+    if codec:
+        limit = plan.execution.max_in_flight
+        inflight += codec * (len(plan.buckets) if limit is None else max(limit, 1))
+    residual = model.residual_numel * RESIDUAL_ITEMSIZE
     reserved = None
     if model.reserved_buffer_numel is not None:
         reserved = bucket_numel or model.reserved_buffer_numel
@@ -110,10 +121,14 @@ def estimate_memory(plan: Plan, bucket_numel: int | None = None) -> MemoryEstima
     parts = [label]
     if model.in_flight_basis:
         parts.append(model.in_flight_basis.format(reserved=reserved))
+    if codec:
+        parts.append("compressed send/receive buffers")
+    if residual:
+        parts.append("fp32 error-feedback residual")
     basis = " + ".join(parts) + "; " + what
     if plan.memory is None:
         basis += f" (generic: planner of {plan.strategy!r} set no memory model)"
-    return MemoryEstimate(grads, inflight, optimizer, basis)
+    return MemoryEstimate(grads, inflight, optimizer, basis, residual)
 
 
 __all__ = ["GENERIC_MEMORY", "MemoryEstimate", "estimate_memory"]

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from evenzero.cost.compute import ComputeProfile, DeviceCompute
 from evenzero.cost.model import CostModel, CostModelError
 from evenzero.plan import BACKWARD, Bucket, Collective, Execution, Plan, StepWork
+from evenzero.wire import codec_traffic
 
 COMPUTE = "compute"
 COMM = "comm"
@@ -194,7 +195,7 @@ class _Lanes:
 
 def _label(c: Collective) -> str:
     where = c.group if c.bucket is None else f"{c.group}[{c.bucket}]"
-    return f"{c.op} {where} {c.numel:,} x{c.itemsize}B on {c.group_size}"
+    return f"{c.op} {where} {c.numel:,} x{c.wire}B on {c.group_size}"
 
 
 @dataclass
@@ -207,8 +208,18 @@ class _Unit:
     ids: list[int]
 
     @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.calls)
+    def bucket_bytes(self) -> int:
+        """Bytes of the gradients its calls read, as the bucket holds them."""
+        return sum(c.numel * c.itemsize for c in self.calls)
+
+    def codec(self, error_feedback: bool) -> tuple[int, int]:
+        """Memory traffic of compressing its calls' messages and of decoding them."""
+        enc = dec = 0
+        for c in self.calls:
+            e, d = codec_traffic(c.compression, c.numel, c.itemsize, c.group_size,
+                                 error_feedback)
+            enc, dec = enc + e, dec + d
+        return enc, dec
 
 
 def _units(plan: Plan, position: dict[str, int], execution: Execution) -> list[_Unit]:
@@ -290,18 +301,26 @@ def simulate(plan: Plan, cost: CostModel, profile: ComputeProfile,
         by_ready.setdefault(u.ready, []).append(i)
     cursor = 0
 
+    def decode(u: _Unit) -> None:
+        lanes.compute(dev.moved_seconds(u.codec(ex.error_feedback)[1]), "decode",
+                      "compressed pieces summed in fp32")
+
     def launch(i: int) -> None:
         u = units[i]
         limit = ex.max_in_flight
         while limit and len(inflight) >= limit:
             oldest = inflight.popleft()
             lanes.wait(oldest.ids, f"bucket limit {limit}")
+            decode(oldest)
         if ex.copies_grads:
-            lanes.compute(dev.copy_seconds(u.nbytes), "copy", "gradients into bucket")
+            lanes.compute(dev.copy_seconds(u.bucket_bytes), "copy", "gradients into bucket")
+        lanes.compute(dev.moved_seconds(u.codec(ex.error_feedback)[0]), "encode",
+                      "gradients compressed")
         u.ids = [lanes.launch(c) for c in u.calls]
         launched[i] = True
         if limit == 0:
             lanes.wait(u.ids, "reduction blocks compute")
+            decode(u)
         else:
             inflight.append(u)
 
@@ -324,6 +343,8 @@ def simulate(plan: Plan, cost: CostModel, profile: ComputeProfile,
         if not launched[i]:
             launch(i)
     lanes.wait([x for u in units for x in u.ids], "end of backward")
+    for u in inflight:
+        decode(u)
     backward_end = lanes.now
 
     # Step: bookkeeping and the norm, what the optimizer needs, the master copies and the

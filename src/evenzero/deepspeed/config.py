@@ -242,7 +242,9 @@ def _zero_section(zero: Any) -> tuple[ZeroSection, list[tuple[str, str]]]:
             if _zero_feature_off(key, value):
                 continue
             raise DeepSpeedConfigError(f"config key {where!r}: {ZERO_REFUSED[key]} is not "
-                                       f"supported by evenzero.deepspeed; remove the key")
+                                       f"supported by evenzero.deepspeed; remove the key"
+                                       + (f"; {ZEROPP_INSTEAD[key]}" if key in ZEROPP_INSTEAD
+                                          else ""))
         else:
             # DeepSpeed's pydantic model forbids unknown keys here (extra="forbid").
             raise DeepSpeedConfigError(f"config key {where!r} is not a DeepSpeed ZeRO setting "
@@ -263,6 +265,24 @@ def _zero_section(zero: Any) -> tuple[ZeroSection, list[tuple[str, str]]]:
         bucket = int(bucket)
     compute_norm = zero.get("compute_grad_norm", True)
     return ZeroSection(int(stage), bucket, bool(compute_norm)), no_ops
+
+
+ZEROPP_INSTEAD = {
+    "zero_quantized_gradients": "DeepSpeed's qgZ is ZeRO-3 only; at stage 1/2 evenzero "
+                                "compresses the gradient reduce-scatter itself: "
+                                "ZeroOptimizer(..., grad_compression=\"int8\", "
+                                "grad_compression_error_feedback=True), or "
+                                "\"communication_data_type\": \"bf16\" in this config",
+    "zero_quantized_weights": "DeepSpeed's qwZ is ZeRO-3 only; evenzero gathers exact "
+                              "parameters and compresses gradients instead: "
+                              "ZeroOptimizer(..., grad_compression=\"int8\")",
+    "zero_quantized_nontrainable_weights": "a ZeRO-3 setting; evenzero gathers exact "
+                                           "parameters (grad_compression=\"int8\" compresses "
+                                           "the gradients)",
+    "zero_hpz_partition_size": "DeepSpeed's hpZ is ZeRO-3 only; to send fewer bytes at stage "
+                               "1/2 use ZeroOptimizer(..., grad_compression=\"int8\")",
+}
+"""What to use instead of each ZeRO++ key at stage 1/2 (named in its refusal)."""
 
 
 def _zero_feature_off(key: str, value: Any) -> bool:

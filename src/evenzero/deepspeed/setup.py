@@ -198,8 +198,7 @@ def _build_optimizer(model: torch.nn.Module, cfg: EngineConfig, client: Any, mod
     _check_adagrad(cfg, choice, param_groups, client is not None and client_scheduler)
     zero_groups = zero_param_groups(param_groups, groups)
     zcfg = ZeroConfig(stage=max(1, cfg.zero.stage), bucket_numel=cfg.zero.reduce_bucket_size,
-                      reduce_dtype=DTYPES.get(cfg.communication_data_type or ""),
-                      elementwise=declared_elementwise(choice.cls))
+                      elementwise=declared_elementwise(choice.cls), **wire_settings(cfg))
     zero = ZeroOptimizer(model, choice.cls, zero_groups, config=zcfg, **choice.kwargs)
     if client is not None:
         _adopt_client(zero, client)
@@ -210,6 +209,20 @@ def _build_optimizer(model: torch.nn.Module, cfg: EngineConfig, client: Any, mod
     view = EngineOptimizer(zero, scaler)
     view.client = client
     return view, name
+
+
+def wire_settings(cfg: EngineConfig) -> dict[str, Any]:
+    """`communication_data_type` as evenzero settings. DeepSpeed casts each bucket to it
+    and reduces in it (deepspeed/runtime/zero/stage_1_and_2.py@v0.19.8
+    `allreduce_and_scatter` / `average_tensor`: `tensor.to(communication_data_type)`).
+    "bf16" over fp32 or fp16 gradients means bf16 on the wire: evenzero's
+    `grad_compression="bf16"`, the same bytes, summed in fp32 where DeepSpeed sums in
+    bf16 (never less exact). Over bf16 gradients it is their own dtype, and fp16/fp32
+    are a plain message dtype: `reduce_dtype`."""
+    comm = cfg.communication_data_type
+    if comm == "bf16" and not cfg.precision.bf16:
+        return {"grad_compression": "bf16"}
+    return {"reduce_dtype": DTYPES.get(comm or "")}
 
 
 def _check_adagrad(cfg: EngineConfig, choice: OptimizerChoice, groups: list[dict],

@@ -47,8 +47,9 @@ DDP_ONLY_OPTIONS = {
     "bucket_cap_mb": "bucket_numel=<elements>",
     "broadcast_buffers": None,
     "ddp_comm_state": None,
-    "ddp_comm_hook": None,
-    "ddp_comm_wrapper": None,
+    # DDP's bf16_compress_hook / fp16_compress_wrapper compress what each rank sends.
+    "ddp_comm_hook": "grad_compression=\"bf16\" (or \"int8\")",
+    "ddp_comm_wrapper": "grad_compression=\"bf16\"",
     "model_averaging_period": None,
 }
 """Options of DDPStrategy / DistributedDataParallel, and the evenzero option that is

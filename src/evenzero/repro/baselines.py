@@ -121,7 +121,7 @@ class DDPSystem(CapturedBaseline):
     def __init__(self, model: nn.Module, loss_fn: LossFn, *, lr: float = 1e-3,
                  weight_decay: float = 0.01, expert_group: Any = None,
                  capture: CaptureOptions | None = None, name: str = "ddp",
-                 fused_adamw: bool | None = None) -> None:
+                 fused_adamw: bool | None = None, comm_hook: str | None = None) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         expert = [(n, p) for n, p in model.named_parameters() if is_expert(p)]
@@ -133,6 +133,11 @@ class DDPSystem(CapturedBaseline):
         self.ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         self.experts = ExpertGradReducer([p for _, p in expert], expert_group, dist.get_world_size())
         self._hooked = False
+        if comm_hook == "bf16":  # torch's bf16_compress_hook: bf16 on the wire, summed in bf16
+            self.ddp.register_comm_hook(None, bf16_hook_any_backend)
+            self._hooked = True  # torch allows one registration: no capture through it
+        elif comm_hook is not None:
+            raise ValueError(f"unknown DDP comm hook {comm_hook!r}; 'bf16' or None")
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
                                       fused=fused_adamw)
         super().__init__(name, loss_fn, self.ddp, optimizer, capture)
@@ -147,6 +152,25 @@ class DDPSystem(CapturedBaseline):
             self.ddp.register_comm_hook(None, allreduce_hook)
             self._hooked = True
         super().capture_next_step()
+
+
+def bf16_hook_any_backend(process_group, bucket):  # DDP checks the annotations: none
+    """torch's `bf16_compress_hook` (torch/distributed/algorithms/ddp_comm_hooks/
+    default_hooks.py@v2.13.0) without the check for CUDA and NCCL 2.10 that DDP makes by
+    the hook's name and that refuses gloo: the bucket divided by the world size in bf16,
+    all-reduced in bf16, copied back. gloo all-reduces bf16, so the DDP users' habit can
+    be measured on CPU ranks."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(world)
+    fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(fut: Any) -> torch.Tensor:
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return fut.then(decompress)
 
 
 class FSDP2System(CapturedBaseline):

@@ -38,6 +38,10 @@ class SystemEntry:
     """Runs a model with expert-parallel MoE layers (the seed model)."""
     trains: bool = True
     """Updates the model's weights (the floor does not: its losses are not compared)."""
+    settings: tuple[tuple[str, Any], ...] = ()
+    """kind "evenzero": further `ZeroConfig` fields (`grad_compression`, ...)."""
+    comm_hook: str | None = None
+    """kind "ddp": a DDP comm hook ("bf16": torch's `bf16_compress_hook`)."""
 
 
 SYSTEMS: tuple[SystemEntry, ...] = (
@@ -50,6 +54,16 @@ SYSTEMS: tuple[SystemEntry, ...] = (
                               "their expert-data-parallel group", exact=True),
     SystemEntry("fsdp2", "fsdp2", "PyTorch FSDP2, fully_shard(block, reshard_after_forward="
                                   "False): ZeRO-2", exact=True, experts=False),
+    SystemEntry("evenzero-bf16", "evenzero", "evenzero ZeRO-2, grad_compression=\"bf16\" "
+                                             "(bf16 on the wire, fp32 sums)",
+                settings=(("grad_compression", "bf16"),)),
+    SystemEntry("evenzero-int8", "evenzero", "evenzero ZeRO-2, grad_compression=\"int8\"",
+                settings=(("grad_compression", "int8"),)),
+    SystemEntry("evenzero-int8-ef", "evenzero", "evenzero ZeRO-2, grad_compression=\"int8\" "
+                                                "with error feedback",
+                settings=(("grad_compression", "int8"), ("grad_compression_error_feedback", True))),
+    SystemEntry("ddp-bf16-hook", "ddp", "torch DDP with its bf16_compress_hook",
+                comm_hook="bf16", experts=False),
     SystemEntry("deepspeed", "deepspeed", "real DeepSpeed ZeRO-2, default config: one "
                                           "all-reduce per process group per bucket (DeepSpeed "
                                           ">= 0.12.4)"),
@@ -138,12 +152,13 @@ def _build(entry: SystemEntry, work: Workload):
     if entry.kind == "evenzero":
         return EvenzeroSystem(entry.name, work.model(), work.loss_fn, strategy=entry.strategy,
                               lr=work.lr, weight_decay=work.weight_decay,
-                              bucket_numel=work.bucket_numel if entry.name == "evenzero" else None,
-                              expert_groups=groups or None)
+                              bucket_numel=(work.bucket_numel if entry.strategy == "evenzero"
+                                            else None),
+                              expert_groups=groups or None, extra=dict(entry.settings))
     if entry.kind == "ddp":
         return DDPSystem(work.model(), work.loss_fn, lr=work.lr, weight_decay=work.weight_decay,
                          expert_group=next(iter(groups.values()), None), capture=work.capture,
-                         name=entry.name)
+                         name=entry.name, comm_hook=entry.comm_hook)
     if entry.kind == "fsdp2":
         if work.blocks is None:
             raise ValueError(f"{entry.name} needs the model's blocks (its units of sharding)")

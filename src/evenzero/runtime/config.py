@@ -10,10 +10,11 @@ from typing import Any
 import torch
 
 from evenzero.runtime.checks import ZeroConfigError
-from evenzero.runtime.collectives import REDUCE_SCATTER_ALGORITHMS
+from evenzero.runtime.collectives import NATIVE, REDUCE_SCATTER_ALGORITHMS
 from evenzero.runtime.innerstep import IMPLS
 from evenzero.runtime.precision import LossScaleConfig, as_dtype
 from evenzero.strategies import AUTO
+from evenzero.wire import WireError, check_block, check_mode
 
 # Each rank steps only its flat 1/N shard, which equals stepping every parameter only if
 # the update of an element depends on that element's own gradient and state alone.
@@ -85,6 +86,22 @@ class ZeroConfig:
     by themselves. False (default): `step()` returns with every parameter gathered, so
     code that reads parameters directly after the step sees the new values."""
 
+    grad_compression: str | None = None
+    """How each bucket's gradients travel (`evenzero.wire`). None (default): exact values
+    in the gradients' own dtype (fp32, or the parameters' dtype, or `reduce_dtype`).
+    "bf16": bf16 on the wire (half of fp32's bytes), summed in fp32 by the receiving rank.
+    "int8": int8 with one fp32 scale per `grad_compression_block` elements (3.94x fewer
+    bytes than fp32 at 256), summed in fp32. Either is one all-to-all of equal pieces per
+    bucket (`opt.plan` shows it); only a synchronising backward sends, so gradients
+    accumulated under `no_sync()` stay exact. A group of one rank sends nothing and
+    stays exact (the plan's notes say so)."""
+    grad_compression_block: int = 256
+    """"int8": elements that share one fp32 scale, a power of two from 32 to 65536."""
+    grad_compression_error_feedback: bool = False
+    """With `grad_compression`: keep on every rank what compression lost (an fp32 value
+    per gradient element, in `memory_report()` and checkpoints) and add it to the next
+    synchronising backward's gradients, so the error does not accumulate over steps."""
+
     # --- perf (issue 17): the inner optimizer's implementation (runtime/innerstep.py)
     optimizer_impl: str | None = None
     """How the inner optimizer steps the master shards: "single_tensor", "foreach" or
@@ -120,7 +137,9 @@ class ZeroConfig:
         if not (isinstance(self.strategy, str) or callable(self.strategy)):
             raise ZeroConfigError(f"strategy must be a strategy name such as 'evenzero' or a "
                                   f"planner callable, got {self.strategy!r}")
-        for name in ("allow_partial_grads", "overlap_param_gather"):
+        self._check_compression()
+        for name in ("allow_partial_grads", "overlap_param_gather",
+                     "grad_compression_error_feedback"):
             if not isinstance(getattr(self, name), bool):
                 raise ZeroConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.elementwise is not None and not isinstance(self.elementwise, bool):
@@ -133,6 +152,24 @@ class ZeroConfig:
             as_dtype(self.master_dtype, "master_dtype")
         except ValueError as e:
             raise ZeroConfigError(str(e)) from None
+
+    def _check_compression(self) -> None:
+        try:
+            check_mode(self.grad_compression)
+            check_block(self.grad_compression_block)
+        except WireError as e:
+            raise ZeroConfigError(str(e)) from None
+        if self.grad_compression_error_feedback is True and self.grad_compression is None:
+            raise ZeroConfigError("grad_compression_error_feedback=True needs "
+                                  "grad_compression=\"int8\" or \"bf16\": exact gradients "
+                                  "leave no residual to feed back")
+        if self.grad_compression is not None and self.reduce_scatter_algorithm == NATIVE:
+            raise ZeroConfigError(
+                f"grad_compression={self.grad_compression!r} sums the received pieces in fp32 "
+                f"after an all-to-all, which reduce_scatter_algorithm={NATIVE!r} cannot do (it "
+                f"sums in the wire dtype); drop reduce_scatter_algorithm, or use "
+                f"reduce_dtype=torch.bfloat16 without grad_compression for a native bf16 "
+                f"reduce-scatter")
 
     def _check_loss_scale(self) -> None:
         scale = self.loss_scale

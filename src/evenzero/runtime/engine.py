@@ -26,6 +26,7 @@ import torch
 from evenzero.plan import Collective, Plan
 from evenzero.runtime.buckets import FlatParams
 from evenzero.runtime.collectives import TraceRecorder
+from evenzero.runtime.errorfeedback import ErrorFeedback
 from evenzero.runtime.gradclear import ClearTracker
 from evenzero.runtime.maskedstep import share_param_state
 from evenzero.runtime.memory import MemoryReport, measure
@@ -70,12 +71,16 @@ class ShardEngine:
         for shard in self.groups.values():
             shard.attach(self.inner)
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
+        self.error_feedback = ErrorFeedback(reducer_config.device)
+        """The quantization residuals of compressed buckets (`grad_compression_error_feedback`)."""
         self._wire(plan, routes)
 
     def _wire(self, plan: Plan, routes: tuple[BucketRoute, ...]) -> None:
+        self.error_feedback.bind(plan)
         self.reducer = GradientReducer(routes, self.params, self.groups, self.reducer_config,
                                        self.recorder, self.clearing,
-                                       {g: s.runs for g, s in self.groups.items()})
+                                       {g: s.runs for g, s in self.groups.items()},
+                                       error_feedback=self.error_feedback)
         self.order = gather_order(plan, self.groups)
         self._batches = _step_batches(self.order, self.groups)
         self.gathers.bind(plan, self.flat, {g: s.process_group for g, s in self.groups.items()})
@@ -217,7 +222,8 @@ class ShardEngine:
         self.stepped = True
 
     def memory(self) -> MemoryReport:
-        return measure(self.groups.values(), self.reducer, self.params.values(), self.flat)
+        return measure(self.groups.values(), self.reducer, self.params.values(), self.flat,
+                       self.error_feedback.nbytes())
 
 
 StepBatch = tuple[dict[str, list[int]], list[Collective]]

@@ -9,6 +9,9 @@ size of the bucket's group:
 * `ReplaySync`, the replay of a peer's schedule (DeepSpeed's reduces and all-reduces of
   pieces of a bucket): every planned collective runs as planned, then the pieces this
   rank owns are accumulated one by one;
+* `CompressedShardSync`, evenzero's route with `grad_compression`: the same one
+  collective per bucket, carried as an all-to-all of encoded pieces that this rank
+  decodes and sums in fp32 into its shard slice (`runtime/compression.py`);
 * `LocalSync`, any route on a group of one rank: there is nothing to reduce, so nothing
   is issued and the bucket's gradients are its reduced gradients. On evenzero's route
   a bucket of the group's own dtype needs no bucket at all: the parameters' gradients
@@ -24,7 +27,7 @@ expert groups too, which makes it the gradient of the mean loss over the global 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -32,6 +35,7 @@ from torch.profiler import record_function
 
 from evenzero.runtime.buckets import PoolSlot
 from evenzero.runtime.collectives import LOCAL, PieceCollective, ReduceScatter, TraceRecorder
+from evenzero.runtime.compression import CompressedReduceScatter
 from evenzero.runtime.gradclear import add_reduced
 from evenzero.runtime.routes import BucketRoute
 from evenzero.runtime.shards import GroupShard
@@ -86,6 +90,41 @@ class DirectShardSync:
             wait(work, self.group.process_group, self.route)
         with record_function("evenzero::accumulate"):
             chunk = self.rs.chunk(output, self.group.size, shard.dtype)
+            add_reduced(shard, self.route.direct_shard_offset, chunk, scale, cleared)
+
+
+class CompressedShardSync:
+    """One compressed all-to-all whose decoded sum is this rank's shard slice."""
+
+    bucketless = False
+
+    def __init__(self, route: BucketRoute, group: GroupShard,
+                 residual: Callable[[BucketRoute], torch.Tensor | None] = lambda r: None) -> None:
+        c = route.collectives[0] if len(route.collectives) == 1 else None
+        if route.direct_shard_offset is None or c is None or not c.compression:
+            raise ValueError("CompressedShardSync needs a direct route of one compressed collective")
+        self.route, self.group, self.residual = route, group, residual
+        self.rs = CompressedReduceScatter(c.compression, c.block_numel)
+
+    def pool_numel(self) -> int:
+        itemsize = torch.empty((), dtype=self.group.reduce_dtype).element_size()
+        return self.rs.pool_numel(self.route.bucket.numel, itemsize)
+
+    def start_grad_sync(self, bucket: torch.Tensor, slot: PoolSlot, trace: TraceRecorder) -> Any:
+        buffers = self.rs.allocate(slot, bucket)
+        with record_function("evenzero::encode"):
+            work = self.rs(buffers, bucket, self.group.process_group, self.residual(self.route))
+        trace.record(self.route.collectives[0], self.rs.name)
+        return work, buffers
+
+    def finish_grad_sync(self, handle: Any, bucket: torch.Tensor, shard: torch.Tensor,
+                         scale: float, cleared: Sequence[tuple[int, int]] = ()) -> None:
+        work, buffers = handle
+        with record_function("evenzero::wait"):
+            wait(work, self.group.process_group, self.route)
+        with record_function("evenzero::decode"):
+            chunk = self.rs.chunk(buffers, self.group.size, shard.dtype)
+        with record_function("evenzero::accumulate"):
             add_reduced(shard, self.route.direct_shard_offset, chunk, scale, cleared)
 
 
@@ -190,18 +229,27 @@ class LocalSync:
                 torch._foreach_add_(add_to, add_from, alpha=scale)
 
 
-def executor_for(route: BucketRoute, group: GroupShard,
-                 reduce_scatter: ReduceScatter) -> RouteExecutor:
-    """The executor of a route: local on a group of one, else `collective_executor_for`."""
+def executor_for(route: BucketRoute, group: GroupShard, reduce_scatter: ReduceScatter,
+                 residual: Callable[[BucketRoute], torch.Tensor | None] = lambda r: None
+                 ) -> RouteExecutor:
+    """The executor of a route: local on a group of one, else `collective_executor_for`.
+    `residual(route)` is the bucket's error-feedback residual (None: it keeps none)."""
     if group.size == 1:
         return LocalSync(route, group)
-    return collective_executor_for(route, group, reduce_scatter)
+    return collective_executor_for(route, group, reduce_scatter, residual)
 
 
 def collective_executor_for(route: BucketRoute, group: GroupShard,
-                            reduce_scatter: ReduceScatter) -> RouteExecutor:
-    """The executor that issues a route's collectives: direct when the route allows it,
-    else the replay."""
+                            reduce_scatter: ReduceScatter,
+                            residual: Callable[[BucketRoute], torch.Tensor | None] = lambda r: None
+                            ) -> RouteExecutor:
+    """The executor that issues a route's collectives: compressed or direct when the
+    route allows it, else the replay."""
     if route.direct_shard_offset is not None:
+        if route.collectives[0].compression:
+            return CompressedShardSync(route, group, residual)
         return DirectShardSync(route, group, reduce_scatter)
+    if any(c.compression for c in route.collectives):
+        raise ValueError(f"bucket {route.bucket.index} of group {route.bucket.group!r}: "
+                         f"compressed collectives run on evenzero's direct route only")
     return ReplaySync(route, group, reduce_scatter)

@@ -33,6 +33,9 @@ class MemoryReport:
     bucket_pool: int = 0
     """Stage 2's bucket arenas kept idle between backwards, on CPU only (reused by the
     next backward; `runtime.reducer.keeps_pool` says why). Not gradients."""
+    error_feedback: int = 0
+    """`grad_compression_error_feedback`'s fp32 residuals: what compression has not yet
+    delivered, one value per element of every compressed bucket."""
 
     @property
     def gradients(self) -> int:
@@ -59,7 +62,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def measure(groups: Iterable[GroupShard], reducer, params: Iterable[torch.nn.Parameter],
-            flat) -> MemoryReport:
+            flat, residual_bytes: int = 0) -> MemoryReport:
     """Measure the engine's current holdings: each group shard's masters, gradient shard
     and optimizer state, the gradient reducer's buffers, stray `.grad` tensors and the
     flat parameter buffers."""
@@ -75,4 +78,5 @@ def measure(groups: Iterable[GroupShard], reducer, params: Iterable[torch.nn.Par
         master_weights=sum(g.master_nbytes() for g in groups),
         optimizer_state=sum(g.state_nbytes() for g in groups),
         parameters=flat.nbytes(),
-        bucket_pool=reducer.kept_pool_nbytes())
+        bucket_pool=reducer.kept_pool_nbytes(),
+        error_feedback=residual_bytes)

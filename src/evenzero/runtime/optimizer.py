@@ -314,6 +314,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if self.last_step_skipped:
                 scaler.update(overflow=True)
                 self._engine.zero_grads()
+                self._engine.error_feedback.drop()  # computed from non-finite gradients
             else:
                 stepped = self._backward.present(stats)
                 seconds = self._engine.step(self.param_groups, stepped, self._recorder,
@@ -398,6 +399,23 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._states.load_shard_state(shards, loss_scaler, self.param_groups)
         if step_count is not None:
             self.step_count = int(step_count)
+
+    @property
+    def keeps_error_feedback(self) -> bool:
+        """Whether error-feedback residuals are kept (`grad_compression_error_feedback`
+        on a group of more than one rank)."""
+        return self._engine.error_feedback.active
+
+    def error_feedback_state(self) -> dict[str, torch.Tensor]:
+        """This rank's error-feedback residual per parameter (CPU fp32 copies, in units
+        of the unscaled gradient; empty without error feedback): what its compressed
+        sends still owe. `evenzero.checkpoint` saves it (and reshards it: see
+        `evenzero.checkpoint.residuals`)."""
+        return self._engine.error_feedback.unscaled()
+
+    def load_error_feedback_state(self, residuals: Mapping[str, torch.Tensor]) -> None:
+        """Replace this rank's residuals (unscaled, per parameter; missing ones: zero)."""
+        self._engine.error_feedback.load_per_param(residuals, unscaled=True)
 
     def plan_choices(self) -> dict[str, Any]:
         """What this run settled about its plan (`evenzero.checkpoint.protocol.PlanChoices`):

@@ -52,6 +52,7 @@ from torch.profiler import record_function
 
 from evenzero.runtime.buckets import BucketPool, GradBuffers, PoolSlot
 from evenzero.runtime.collectives import ReduceScatter, TraceRecorder
+from evenzero.runtime.errorfeedback import ErrorFeedback
 from evenzero.runtime.executors import RouteExecutor, executor_for
 from evenzero.runtime.gradclear import ClearTracker
 from evenzero.runtime.routes import BucketRoute
@@ -111,10 +112,13 @@ class GradientReducer:
     def __init__(self, routes: tuple[BucketRoute, ...], params: Mapping[str, torch.nn.Parameter],
                  groups: Mapping[str, GroupShard], config: ReducerConfig, trace: TraceRecorder,
                  clearing: ClearTracker, runs: Mapping[str, ShardRuns],
-                 make_executor: Callable[..., RouteExecutor] = executor_for) -> None:
+                 make_executor: Callable[..., RouteExecutor] = executor_for,
+                 error_feedback: ErrorFeedback | None = None) -> None:
         self.routes, self.groups, self.config, self.trace = routes, groups, config, trace
         self.clearing, self.runs = clearing, runs
-        self.executors = [make_executor(r, groups[r.bucket.group], config.reduce_scatter)
+        self.error_feedback = error_feedback
+        self.executors = [make_executor(r, groups[r.bucket.group], config.reduce_scatter,
+                                        self._residual)
                           for r in routes]
         self.route_params = [[params[s.name] for s in r.bucket.params] for r in routes]
         self.packed = [_packed_numel(r) for r in routes]
@@ -132,6 +136,13 @@ class GradientReducer:
             arena[g.reduce_dtype] = max(arena.get(g.reduce_dtype, 0), need)
         self.pool = BucketPool(config.device, arena, config.max_in_flight)
         self._reset()
+
+    def _residual(self, route: BucketRoute) -> torch.Tensor | None:
+        """The bucket's error-feedback residual in the running backward's loss scale."""
+        if self.error_feedback is None:
+            return None
+        return self.error_feedback.residual(route.bucket.group, route.bucket.index,
+                                            self.config.loss_scale())
 
     def _copies_in(self, g: GroupShard) -> bool:
         """Whether a bucket's contents go into its pool slot (else they stay in place)."""

@@ -206,6 +206,9 @@ PLAN_OPTION_OF: Mapping[str, str] = {
     "max_buckets_in_flight": "max_buckets_in_flight",
     "overlap_param_gather": "overlap_param_gather",
     "optimizer_impl": "optimizer_impl",
+    "grad_compression": "grad_compression",
+    "grad_compression_block": "compression_block",
+    "grad_compression_error_feedback": "error_feedback",
 }
 """`ZeroConfig` field -> the `PlanOptions` field it sets (`plan_options`), so `opt.plan`,
 its memory estimate and the auto bucket size describe the run being executed."""
@@ -235,7 +238,24 @@ def plan_options(config: ZeroConfig, device: torch.device | None = None) -> Plan
                        cost_model=runtime_cost_preset(device) if device is not None else None,
                        stage=config.stage, overlap_param_gather=config.overlap_param_gather,
                        master_dtype=dtype_name(as_dtype(config.master_dtype, "master_dtype")),
-                       optimizer_impl=config.optimizer_impl)
+                       optimizer_impl=config.optimizer_impl,
+                       grad_compression=config.grad_compression,
+                       compression_block=config.grad_compression_block,
+                       error_feedback=config.grad_compression_error_feedback)
+
+
+def check_compressed(plan: Plan, config: ZeroConfig) -> None:
+    """`grad_compression` runs on a plan whose buckets are one reduce-scatter each, the
+    compressed ones marked (evenzero's); another strategy's plan would silently send
+    exact values."""
+    sizes = {g.name: g.size for g in plan.groups}
+    plain = [c for c in plan.backward() if sizes.get(c.group, 1) > 1
+             and c.compression != config.grad_compression]
+    if plain:
+        name = config.strategy if isinstance(config.strategy, str) else "the custom planner"
+        raise ZeroConfigError(f"grad_compression={config.grad_compression!r} is evenzero's "
+                              f"compressed reduce-scatter, but {name!r} plans {plain[0].op} calls "
+                              f"without it; use strategy='evenzero' or grad_compression=None")
 
 
 def tunes_bucket_size(strategy: str | Any) -> bool:
@@ -272,6 +292,8 @@ def make_plan(spec: ModelSpec, world_size: int, config: ZeroConfig,
                 f"nothing measured or refined")
     if note:
         plan = replace(plan, notes=(*plan.notes, note))
+    if config.grad_compression is not None:
+        check_compressed(plan, config)
     if not plan.sharded:
         raise ZeroConfigError(f"strategy {config.strategy!r} keeps full optimizer state on every "
                               f"rank; ZeroOptimizer runs sharded plans such as 'evenzero'")

@@ -18,6 +18,7 @@ from evenzero.plan import (
     StepWork,
 )
 from evenzero.spec import DTYPE_BYTES, ModelSpec
+from evenzero.wire import DEFAULT_BLOCK, WireError, check_block, check_mode
 
 if TYPE_CHECKING:
     from evenzero.cost.compute import ComputeProfile
@@ -64,6 +65,14 @@ class PlanOptions:
     implementations; `StepWork.optimizer_impl`). None: each system's own default
     (evenzero's runtime: `strategies.evenzero.DEFAULT_OPTIMIZER_IMPL`; a user's torch
     optimizer under DDP or FSDP2: torch's default for the device)."""
+    grad_compression: str | None = None
+    """evenzero: how each bucket's reduce-scatter sends the gradients (`evenzero.wire`):
+    None (exact values), "bf16" or "int8". Other strategies send what they send."""
+    compression_block: int = DEFAULT_BLOCK
+    """evenzero, "int8": elements per fp32 scale."""
+    error_feedback: bool = False
+    """evenzero, compressed: each rank keeps its quantization residual (one fp32 value
+    per gradient element) and adds it to the next synchronising backward's gradient."""
 
     def __post_init__(self) -> None:
         b = self.bucket_numel
@@ -87,6 +96,17 @@ class PlanOptions:
                             f"{OPTIMIZER_IMPLS}")
         if self.reduce_dtype is not None and self.reduce_dtype not in DTYPE_BYTES:
             raise PlanError(f"reduce dtype {self.reduce_dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        try:
+            check_mode(self.grad_compression)
+            check_block(self.compression_block)
+        except WireError as e:
+            raise PlanError(str(e)) from None
+        if not isinstance(self.error_feedback, bool):
+            raise PlanError(f"error_feedback must be True or False, got {self.error_feedback!r}")
+        if self.error_feedback and self.grad_compression is None:
+            raise PlanError("grad_compression_error_feedback=True needs a compressed wire: "
+                            "set grad_compression=\"int8\" (or \"bf16\"); exact values leave "
+                            "no residual to feed back")
 
     @property
     def fixed_bucket_numel(self) -> int | None:

@@ -32,6 +32,7 @@ What the runtime does with the options (`evenzero.runtime`), as the plan records
 from __future__ import annotations
 
 from dataclasses import replace
+from math import lcm
 
 from evenzero.cost.autobucket import BucketChoice, choose_bucket_numel
 from evenzero.cost.presets import PRESETS, default_cost_preset
@@ -44,6 +45,7 @@ from evenzero.plan import (
     GroupInfo,
     MemoryModel,
     Plan,
+    PlanError,
     Slot,
     align_up,
     step_check,
@@ -59,6 +61,7 @@ from evenzero.strategies.common import (
     message_itemsize,
     step_work,
 )
+from evenzero.wire import chunk_alignment
 
 DEFAULT_OPTIMIZER_IMPL = "fused"
 """The inner optimizer implementation the runtime runs when the user chose none: torch's
@@ -124,11 +127,14 @@ def plan_fixed(spec: ModelSpec, world_size: int, options: PlanOptions) -> Plan:
     infos = group_infos(spec, world_size)
     numel = {p.name: p.numel for p in spec.params}
     buckets: list[Bucket] = []
-    notes = []
+    notes = list(compression_notes(infos, options))
     for g in infos:
         arrived, missing = group_arrival(spec, g.name)
         order = [n for n in arrived + missing if numel[n] > 0]
         align_elems = max(1, options.alignment_bytes // DTYPE_BYTES[g.dtype])
+        if compressed(g, options):  # no int8 block straddles two ranks' chunks
+            align_elems = lcm(align_elems, chunk_alignment(options.grad_compression,
+                                                           options.compression_block))
         limit = options.fixed_bucket_numel
         for i, names in enumerate(cut_buckets(order, numel, limit)):
             slots, off = [], 0
@@ -142,17 +148,21 @@ def plan_fixed(spec: ModelSpec, world_size: int, options: PlanOptions) -> Plan:
     ordered = completion_order(spec, buckets)
     size = {g.name: g.size for g in infos}
     itemsize = {g.name: message_itemsize(spec, g.name, options) for g in infos}
+    wire = {g.name: wire_of(g, options) for g in infos}
     backward = [Collective(BACKWARD, "reduce_scatter", b.group, size[b.group], None, b.index, 0,
-                           b.numel, itemsize=itemsize[b.group]) for b in ordered]
+                           b.numel, itemsize=itemsize[b.group], compression=wire[b.group][0],
+                           block_numel=wire[b.group][1]) for b in ordered]
     step = [grad_check(spec, world_size)] + all_gathers(spec, infos, list(reversed(ordered)))
     casts = any(itemsize[g.name] != DTYPE_BYTES[g.dtype] for g in infos)
     plan = Plan("evenzero", world_size, infos, tuple(ordered), tuple(ordered),
                 tuple(backward + step), spec.arrival_order, tuple(notes),
                 execution=Execution(max_in_flight=options.max_buckets_in_flight,
                                     copies_grads=options.stage == 2 or casts,
-                                    overlap_param_gather=options.overlap_param_gather),
+                                    overlap_param_gather=options.overlap_param_gather,
+                                    error_feedback=options.error_feedback),
                 bucket_numel=options.fixed_bucket_numel,
-                memory=memory_model(infos, options, casts))
+                memory=memory_model(infos, options, casts, residual_numel=sum(
+                    b.numel for b in ordered if options.error_feedback and wire[b.group][0])))
     aliased = set(plan.memory.aliased_groups)
     return replace(plan, step_work=step_work(
         plan, spec, options, norm=NORM, optimizer_impl=DEFAULT_OPTIMIZER_IMPL,
@@ -167,7 +177,42 @@ def aliased_groups(infos: tuple[GroupInfo, ...], options: PlanOptions) -> tuple[
     return tuple(g.name for g in infos if g.dtype == "float32")
 
 
-def memory_model(infos: tuple[GroupInfo, ...], options: PlanOptions, casts: bool) -> MemoryModel:
+def compressed(g: GroupInfo, options: PlanOptions) -> bool:
+    """Whether `g`'s buckets travel compressed: a mode is set and the group has ranks to
+    send to (on a group of one nothing is sent, so there is nothing to compress)."""
+    return options.grad_compression is not None and g.size > 1
+
+
+def wire_of(g: GroupInfo, options: PlanOptions) -> tuple[str | None, int]:
+    """(compression, elements per int8 scale) of `g`'s backward collectives."""
+    if not compressed(g, options):
+        return None, 0
+    mode = options.grad_compression
+    return mode, options.compression_block if mode == "int8" else 0
+
+
+def compression_notes(infos: tuple[GroupInfo, ...], options: PlanOptions) -> list[str]:
+    """Refuse what compression cannot do, and note where it does nothing."""
+    mode = options.grad_compression
+    if mode is None:
+        return []
+    if mode == "int8":
+        wide = [g.name for g in infos if g.size > 1 and "float64" in (g.dtype, options.reduce_dtype)]
+        if wide:
+            raise PlanError(f"grad_compression=\"int8\" cannot carry the float64 gradients of "
+                            f"group(s) {', '.join(wide)}: 7 bits per value would throw away what "
+                            f"float64 training keeps; use grad_compression=None (exact) or train "
+                            f"in float32")
+    alone = [g.name for g in infos if g.size == 1]
+    if not alone:
+        return []
+    return [f"grad_compression={mode!r} does nothing for group(s) {', '.join(alone)}: a group "
+            f"of one rank sends nothing, so its gradients stay exact"
+            + (" and keep no residual" if options.error_feedback else "")]
+
+
+def memory_model(infos: tuple[GroupInfo, ...], options: PlanOptions, casts: bool,
+                 residual_numel: int = 0) -> MemoryModel:
     """Gradient and optimizer memory as the runtime holds it (module docstring)."""
     n = options.max_buckets_in_flight
     buckets = f"{n} bucket{'s' if n > 1 else ''} in flight"
@@ -179,7 +224,8 @@ def memory_model(infos: tuple[GroupInfo, ...], options: PlanOptions, casts: bool
             basis = f"{n} cast bucket{'s' if n > 1 else ''} in flight"
     return MemoryModel(grads, buckets_in_flight=held, in_flight_basis=basis,
                        master_itemsize=DTYPE_BYTES[options.master_dtype],
-                       aliased_groups=aliased_groups(infos, options))
+                       aliased_groups=aliased_groups(infos, options),
+                       residual_numel=residual_numel)
 
 
 def grad_check(spec: ModelSpec, world_size: int) -> Collective:
