@@ -63,8 +63,8 @@ class Segment:
     lane: str
     """COMPUTE or COMM."""
     kind: str
-    """forward, backward, copy, wait, bookkeeping, norm, optimizer; or the collective's op
-    on the comm lane."""
+    """forward, backward, copy, wait, bookkeeping, norm, optimizer, newton-schulz; or the
+    collective's op on the comm lane."""
     start: float
     """Seconds since the step began."""
     end: float
