@@ -38,7 +38,7 @@ def assert_close(model, ref, atol=1e-6):
 
 
 def check_equal_to_torch(rank, world):
-    model, ref, opt = train(rank, world, steps=20, bucket_numel=4096)
+    model, ref, opt = train(rank, world, steps=50, bucket_numel=4096)
     assert_close(model, ref)
     # every matrix of the Muon group has one owner, and the owner steps it whole
     muon = opt.plan.groups[0].name
@@ -63,8 +63,58 @@ def check_same_collectives_as_adamw(rank, world):
     assert all(c.numel % world == 0 for c in back)
 
 
+def refused(make) -> str:
+    from evenzero.runtime import ZeroConfigError
+
+    with pytest.raises((ZeroConfigError, ValueError)) as e:
+        make()
+    return str(e.value)
+
+
+def check_bad_input(rank, world):
+    from evenzero import ZeroOptimizer
+
+    torch.manual_seed(0)
+    model = TinyLlama()
+    groups = muon_groups(model)
+    # a norm's weight (1-D) in the Muon group: named with its shape, as torch refuses it
+    norm = model.blocks[0].attn_norm.weight
+    bad = [{"params": groups[0]["params"] + [norm]},
+           {**groups[1], "params": [p for p in groups[1]["params"] if p is not norm]}]
+    msg = refused(lambda: ZeroOptimizer(model, torch.optim.Muon, bad, **MUON))
+    assert "blocks.0.attn_norm.weight" in msg and "[32]" in msg and "2-D" in msg, msg
+
+    class Mystery(torch.optim.Optimizer):
+        def __init__(self, params, lr=0.1):
+            super().__init__(params, {"lr": lr})
+
+    mixed = [groups[0], {**groups[1], "optimizer": Mystery}]
+    msg = refused(lambda: ZeroOptimizer(model, torch.optim.Muon, mixed, **MUON))
+    assert "Mystery" in msg and "evenzero_update" in msg, msg
+    msg = refused(lambda: ZeroOptimizer(model, torch.optim.Muon, [groups[0], {
+        **groups[1], "optimizer": "adamw"}], **MUON))
+    assert "torch.optim.Optimizer class" in msg, msg
+
+    # a whole-tensor optimizer that is not Muon declares itself and runs the same way
+    class Shampoo(torch.optim.Muon):
+        pass
+
+    class Declared(torch.optim.SGD):
+        evenzero_update = "whole_tensor"
+
+    opt = ZeroOptimizer(model, Declared, [groups[0], groups[1]], lr=0.01, momentum=0.9,
+                        bucket_numel=64)
+    # the bucket grew to hold each matrix in one rank's slice, and the plan says so
+    assert any("grown from 64" in n for n in opt.plan.notes), opt.plan.notes
+    llama_loss(model, llama_batch(0, 2)).backward()
+    opt.step()
+    opt.close()
+    assert ZeroOptimizer(model, Shampoo, groups, **MUON).config.whole_tensor
+
+
 CHECKS = {"equal_to_torch": check_equal_to_torch,
-          "same_collectives_as_adamw": check_same_collectives_as_adamw}
+          "same_collectives_as_adamw": check_same_collectives_as_adamw,
+          "bad_input": check_bad_input}
 
 
 def muon_job(rank: int, world: int) -> dict[str, str | None]:
