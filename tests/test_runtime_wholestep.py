@@ -61,6 +61,16 @@ def check_same_collectives_as_adamw(rank, world):
     assert [c.op for c in back] == ["reduce_scatter"] * len(plan.buckets)
     assert [c.op for c in plan.step()] == ["all_reduce"] + ["all_gather"] * len(plan.layouts)
     assert all(c.numel % world == 0 for c in back)
+    # state_dict shows torch's Muon key for the matrices this rank owns, and loads back
+    sd = opt.state_dict()
+    muon = plan.groups[0].name
+    mine = {r.param for r in plan.shard_ranges(muon, opt.group_rank(muon))}
+    shown = {i for i, s in sd["state"].items() if "momentum_buffer" in s}
+    assert len(shown) == len(mine), (shown, mine)
+    for s in sd["state"].values():
+        if "momentum_buffer" in s:
+            assert s["momentum_buffer"].dim() == 2
+    opt.load_state_dict(sd)
 
 
 def refused(make) -> str:
