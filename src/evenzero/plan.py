@@ -324,9 +324,13 @@ class MemoryModel:
     residual_numel: int = 0
     """Elements of error-feedback residual every rank holds (fp32, one per element of
     every compressed bucket, padding included); 0 without error feedback."""
+    momentum_only_numel: int = 0
+    """Elements of the busiest rank's shard whose optimizer keeps one state (Muon's
+    momentum) instead of Adam's two; 0 for an element-wise optimizer."""
 
     def __post_init__(self) -> None:
-        for name in ("buckets_in_flight", "master_itemsize", "residual_numel"):
+        for name in ("buckets_in_flight", "master_itemsize", "residual_numel",
+                     "momentum_only_numel"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise PlanError(f"{name} must be a non-negative integer, got {v!r}")
@@ -367,6 +371,9 @@ class StepWork:
     params: int = 0
     """Parameters the step's own Python work visits once each (presence, the user's
     writes, state), each charged `DeviceCompute.param_overhead_us`."""
+    matrix_flops: int = 0
+    """FLOPs of the whole-tensor updates (Muon's Newton-Schulz iterations) on the busiest
+    rank; 0 for an element-wise optimizer."""
 
     def __post_init__(self) -> None:
         if self.optimizer_impl not in (None, *OPTIMIZER_IMPLS):
@@ -374,7 +381,8 @@ class StepWork:
                             f"{OPTIMIZER_IMPLS}")
         if self.norm not in (None, *NORMS):
             raise PlanError(f"norm {self.norm!r} is not one of {NORMS} or None")
-        for name in ("optimizer_elements", "norm_elements", "copy_bytes", "params"):
+        for name in ("optimizer_elements", "norm_elements", "copy_bytes", "params",
+                     "matrix_flops"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise PlanError(f"{name} must be a non-negative integer, got {v!r}")

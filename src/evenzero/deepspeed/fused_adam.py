@@ -30,6 +30,10 @@ import torch
 class FusedAdam(torch.optim.Optimizer):
     """`deepspeed.ops.adam.FusedAdam`'s signature and CPU-kernel arithmetic."""
 
+    evenzero_update = "elementwise"
+    """Declared for `ZeroOptimizer` (it steps any flat shard), also where it steps a
+    group of its own (Muon's Adam half, `evenzero.deepspeed.muon`)."""
+
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
