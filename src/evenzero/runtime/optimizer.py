@@ -174,17 +174,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                                   list(param_dtypes.values())))
 
         # The inner optimizer's implementation (runtime/innerstep.py), before the plan names it.
+        # Offloaded shards are stepped on the host, with the host's implementation.
+        step_device = torch.device("cpu") if cfg.offload_optimizer else setup.device
         inner_step = choose_inner_step(optimizer_class, kwargs, [g.options for g in setup.groups],
-                                       setup.device, master_dtype, cfg.optimizer_impl)
+                                       step_device, master_dtype, cfg.optimizer_impl)
         self.config = cfg = replace(cfg, optimizer_impl=inner_step.impl)
         broadcast_initial_state(module, setup.groups, self.world_group)
         # Parameters frozen now are not managed; unfreezing one later is named at the step.
         frozen = {id(p) for p in module.parameters() if not p.requires_grad}
         self._plans = PlanHolder(setup.spec, self.world_size, cfg, setup.group_sizes, setup.device)
+        placement = (Placement.offload(setup.device, cfg.pin_memory) if cfg.offload_optimizer
+                     else Placement.on(setup.device))
         shards = {g.name: GroupShard(g.name, g.process_group, setup.group_sizes[g.name],
                                      setup.group_ranks[g.name], param_dtypes[g.name],
                                      reduce_dtype or param_dtypes[g.name], master_dtype,
-                                     g.options, Placement.on(setup.device))
+                                     g.options, placement)
                   for g in setup.groups}
         self._placeholders = placeholders(setup.named)
         clearing = ClearTracker(self.params, self._placeholders)

@@ -73,6 +73,9 @@ class PlanOptions:
     error_feedback: bool = False
     """evenzero, compressed: each rank keeps its quantization residual (one fp32 value
     per gradient element) and adds it to the next synchronising backward's gradient."""
+    offload_optimizer: str | None = None
+    """evenzero and DeepSpeed: "cpu" keeps the masters, gradient shard and optimizer state
+    in host memory and steps there (ZeRO-Offload); None keeps them on the device."""
 
     def __post_init__(self) -> None:
         b = self.bucket_numel
@@ -107,6 +110,9 @@ class PlanOptions:
             raise PlanError("grad_compression_error_feedback=True needs a compressed wire: "
                             "set grad_compression=\"int8\" (or \"bf16\"); exact values leave "
                             "no residual to feed back")
+        if self.offload_optimizer not in (None, "cpu"):
+            raise PlanError(f"offload_optimizer must be \"cpu\" or None, got "
+                            f"{self.offload_optimizer!r} (NVMe offload is not modelled)")
 
     @property
     def fixed_bucket_numel(self) -> int | None:
