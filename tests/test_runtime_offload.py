@@ -11,6 +11,7 @@ import torch
 from tests.dist_helpers import run_distributed
 
 from evenzero.runtime import ZeroConfig, ZeroConfigError, ZeroOptimizer
+from evenzero.runtime.collectives import REDUCE_SCATTERS
 from evenzero.runtime.offload import HostLink, HostNeed, check_offload, host_need
 
 
@@ -77,6 +78,7 @@ def _equal_job(rank: int, world: int, cases=CASES, refusals: bool = False) -> li
                 and report.by_device == (("cpu", report.total),)):
             wrong.append(f"{key}: memory report {report}")
     if refusals:
+        wrong += _memory_agrees_with_plan(rank)
         errors = _refusals(rank)
         if "offload_optimizer='cpu' steps the optimizer on the host" not in errors["optimizer"]:
             wrong.append(f"optimizer refusal: {errors['optimizer']}")
@@ -103,6 +105,38 @@ def test_offload_is_bit_identical_at_two_ranks():
 @pytest.mark.slow
 def test_offload_is_bit_identical_at_four_ranks():
     assert run_distributed(_equal_job, 4, (SLOW_CASES,), timeout=480) == [[]] * 4
+
+
+def _memory_agrees_with_plan(rank: int) -> list[str]:
+    """memory_report() against the plan's estimate on a GPT, within 5%: the "device" is
+    the CPU here, so device bytes are the parameters' and the buckets'; the host bytes
+    are what offload holds."""
+    from evenzero.cost.memory import estimate_memory
+    from evenzero.repro.gptmodel import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab=256, seq=16, dim=64, layers=2, heads=4)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = ZeroOptimizer(model, torch.optim.AdamW, lr=1e-3, bucket_numel=1 << 14,
+                        offload_optimizer="cpu")
+    idx = torch.randint(0, cfg.vocab, (2, cfg.seq), generator=torch.Generator().manual_seed(rank))
+    model(idx).float().square().mean().backward()
+    opt.step()
+    report, est = opt.memory_report(), estimate_memory(opt.plan)
+    device = report.parameters + report.gradient_buffers + report.bucket_pool
+    # The plan's in-flight buckets, plus the scratch the backend's reduce-scatter takes
+    # from the same pool (gloo's all-to-all + sum: a bucket-sized receive buffer), which
+    # the planner, not knowing the backend, leaves out.
+    scratch = REDUCE_SCATTERS[opt.reduce_scatter_algorithm].scratch_numel(
+        max(b.numel for b in opt.plan.buckets), 2) * 4 * opt.plan.memory.buckets_in_flight
+    planned_device = report.parameters + est.total_bytes + scratch
+    opt.close()
+    wrong = []
+    if abs(device - planned_device) > 0.05 * planned_device:
+        wrong.append(f"device bytes {device} vs plan {planned_device} ({est.basis})")
+    if abs(report.offloaded - est.host_bytes) > 0.05 * est.host_bytes:
+        wrong.append(f"host bytes {report.offloaded} vs plan {est.host_bytes} ({report})")
+    return wrong
 
 
 # ---------------------------------------------------------------------- the link

@@ -324,6 +324,9 @@ class MemoryModel:
     residual_numel: int = 0
     """Elements of error-feedback residual every rank holds (fp32, one per element of
     every compressed bucket, padding included); 0 without error feedback."""
+    offloaded: bool = False
+    """The masters, the gradient shard and the optimizer state live in host memory
+    (`offload_optimizer="cpu"`): the device holds the parameters and the buckets only."""
 
     def __post_init__(self) -> None:
         for name in ("buckets_in_flight", "master_itemsize", "residual_numel"):
@@ -367,6 +370,14 @@ class StepWork:
     params: int = 0
     """Parameters the step's own Python work visits once each (presence, the user's
     writes, state), each charged `DeviceCompute.param_overhead_us`."""
+    host_step: bool = False
+    """The optimizer steps on the host (`offload_optimizer="cpu"`), priced by
+    `DeviceCompute.host_step_seconds`."""
+    host_link_bytes: int = 0
+    """Bytes crossing the host link in the step: the parameters read back for the user's
+    writes and the updated parameters copied to the device."""
+    host_link_backward_bytes: int = 0
+    """Bytes crossing the host link during the backward: the reduced gradient shard."""
 
     def __post_init__(self) -> None:
         if self.optimizer_impl not in (None, *OPTIMIZER_IMPLS):
@@ -374,7 +385,8 @@ class StepWork:
                             f"{OPTIMIZER_IMPLS}")
         if self.norm not in (None, *NORMS):
             raise PlanError(f"norm {self.norm!r} is not one of {NORMS} or None")
-        for name in ("optimizer_elements", "norm_elements", "copy_bytes", "params"):
+        for name in ("optimizer_elements", "norm_elements", "copy_bytes", "params",
+                     "host_link_bytes", "host_link_backward_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise PlanError(f"{name} must be a non-negative integer, got {v!r}")
