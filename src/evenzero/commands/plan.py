@@ -189,7 +189,16 @@ def offload_lines(spec: ModelSpec, world_size: int, options: PlanOptions, model:
     steps: list[float | None] = [None, None]
     if model.compute is not None:
         steps = [t.total_s for t in step_timelines(spec, model, [plain, offloaded])]
-    return offload_verdict(plain, offloaded, device_gib, *steps).lines()
+    lines = offload_verdict(plain, offloaded, device_gib, *steps).lines()
+    dev = model.compute
+    if dev is not None:
+        link = (f"{dev.host_link_gbs:g} GB/s" if dev.host_link_gbs is not None
+                else "none (the device is the host)")
+        step = (f"{dev.host_step_ns_per_element:g} ns/element" if dev.host_step_ns_per_element
+                is not None else "the device's own optimizer figures")
+        lines.append(f"  host link {link}, host step {step} ({dev.name}; `evenzero calibrate` "
+                     f"measures both on a GPU)")
+    return lines
 
 
 def step_timelines(spec: ModelSpec, model: CostModel, plans) -> list:
