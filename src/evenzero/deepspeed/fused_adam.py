@@ -30,6 +30,10 @@ import torch
 class FusedAdam(torch.optim.Optimizer):
     """`deepspeed.ops.adam.FusedAdam`'s signature and CPU-kernel arithmetic."""
 
+    keeps_state_with_params = True
+    """Its state is made like the tensors it steps, so `offload_optimizer` may step it on
+    the host (`evenzero.runtime.offload.host_steppable`)."""
+
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,

@@ -46,12 +46,19 @@ STATE_SLOTS: Mapping[type, int] = {
 with momentum and centered), for the host memory check."""
 
 
+HOST_STATE_ATTRIBUTE = "keeps_state_with_params"
+"""A class attribute that, True, declares an optimizer's state is made like the tensors
+it steps (`zeros_like(p)`), so it may live on the host (DeepSpeedCPUAdam's stand-in sets it)."""
+
+
 def host_steppable(optimizer_class: type) -> bool:
-    """Whether `optimizer_class` keeps its state in the tensors it is given, wherever they
+    """Whether `optimizer_class` keeps its state with the tensors it is given, wherever they
     live: torch.optim's elementwise optimizers (and subclasses) step CPU tensors with
-    their CPU kernels. A custom class may be CUDA-only (apex's FusedAdam,
-    bitsandbytes' 8-bit states), which would fail on the host or silently move state back."""
-    return any(issubclass(optimizer_class, c) for c in STATE_SLOTS)
+    their CPU kernels, and a class may declare it (`HOST_STATE_ATTRIBUTE`). Another class
+    may be CUDA-only (apex's FusedAdam, bitsandbytes' 8-bit states), which would fail on
+    the host or silently move state back."""
+    return (any(issubclass(optimizer_class, c) for c in STATE_SLOTS)
+            or getattr(optimizer_class, HOST_STATE_ATTRIBUTE, False) is True)
 
 
 def state_slots(optimizer_class: type) -> int:
@@ -113,7 +120,8 @@ def check_offload(offload: str | None, pin: bool, optimizer_class: type, need: H
             f"offload_optimizer={offload!r} steps the optimizer on the host, and "
             f"{optimizer_class.__name__} is not known to keep its state in host memory "
             f"(it may be CUDA-only); use a torch.optim optimizer such as torch.optim.AdamW "
-            f"(its fused CPU step runs there), or drop offload_optimizer")
+            f"(its fused CPU step runs there), set {HOST_STATE_ATTRIBUTE} = True on the class "
+            f"if its state is made like its parameters, or drop offload_optimizer")
     gib = 1 << 30
     if need.total > available:
         what = (f"pins about {need.pinned / gib:.2f} GiB (pin_memory=True) and takes about "
