@@ -59,8 +59,12 @@ def test_batch_rules_equal_deepspeed(keys, world, monkeypatch):
 
 REFUSED = [
     ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
-     "offload_optimizer"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
+     "offload_optimizer.device"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
+     "offload_optimizer.ratio"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "bogus": 1}}},
+     "offload_optimizer.bogus"),
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "nvme"}}}, "offload_param"),
     ({"zero_optimization": {"stage": 1, "zero_quantized_gradients": True}},
      "zero_quantized_gradients"),
@@ -304,3 +308,51 @@ def test_importing_does_not_import_deepspeed():
             "ds.moe.utils.split_params_into_different_moe_groups_for_optimizer; "
             "assert 'deepspeed' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ---------------------------------------------------------------------- offload (issue 26)
+
+
+def test_offload_optimizer_cpu_is_accepted_with_deepspeeds_keys():
+    from evenzero.deepspeed.fused_adam import DeepSpeedCPUAdam
+    from evenzero.deepspeed.optimizers import optimizer_from_client
+
+    raw = {**BASE, "zero_optimization": {"stage": 2, "offload_optimizer": {
+        "device": "cpu", "pin_memory": False, "buffer_count": 4, "fast_init": False,
+        "ratio": 1.0}}}
+    cfg = parse_config(raw, 1)
+    assert (cfg.zero.offload_optimizer, cfg.zero.pin_memory) == ("cpu", False)
+    no_ops = dict(cfg.no_ops)
+    assert "NVMe" in no_ops["zero_optimization.offload_optimizer.buffer_count"]
+    assert "zero_optimization.offload_optimizer.fast_init" in no_ops
+    assert parse_config({**BASE, "zero_optimization": {"stage": 2, "offload_optimizer": {
+        "device": "cpu"}}}, 1).zero.pin_memory is True  # DeepSpeed 0.19.8's default
+    legacy = parse_config({**BASE, "zero_optimization": {"stage": 2, "cpu_offload": True}}, 1)
+    assert legacy.zero.offload_optimizer == "cpu"
+    assert parse_config({**BASE, "zero_force_ds_cpu_optimizer": False}, 1).force_ds_cpu_optimizer \
+        is False
+    # Adam/AdamW under offload is DeepSpeed's CPU Adam, its mode kept
+    for kind, params, mode in (("AdamW", {}, True), ("Adam", {"adam_w_mode": False}, False)):
+        choice = optimizer_from_config(parse_config(
+            {**BASE, "optimizer": {"type": kind, "params": {"lr": 1e-3, **params}}}, 1).optimizer,
+            offload=True)
+        assert choice.cls is DeepSpeedCPUAdam and choice.kwargs["adamw_mode"] is mode
+    client = DeepSpeedCPUAdam([torch.nn.Parameter(torch.ones(2))], adamw_mode=False)
+    assert optimizer_from_client(client).kwargs["adamw_mode"] is False
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+def test_deepspeed_cpu_adam_is_torch_adam_up_to_rounding(adamw):
+    from evenzero.deepspeed.fused_adam import DeepSpeedCPUAdam
+
+    torch.manual_seed(0)
+    w = torch.randn(64)
+    a, b = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    ours = DeepSpeedCPUAdam([a], lr=1e-2, weight_decay=0.1, adamw_mode=adamw)
+    ref = (torch.optim.AdamW if adamw else torch.optim.Adam)([b], lr=1e-2, weight_decay=0.1)
+    for _ in range(5):
+        g = torch.randn(64)
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)

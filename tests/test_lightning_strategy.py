@@ -245,6 +245,8 @@ def variants(tmp_path_factory):
          "total_steps": 16},
         {"name": "ddp-stage1", "strategy": "ddp", **common},
         {"name": "evenzero-stage1", "strategy": "evenzero_stage_1", **common},
+        {"name": "evenzero-offload", "strategy": {"evenzero": {"offload_optimizer": True}},
+         **common},
     ]
     return run_trainer_job(out, 2, runs)
 
@@ -258,6 +260,7 @@ def variants(tmp_path_factory):
     (("ddp-64-true", "evenzero-64-true"), 1e-12),
     (("ddp-manual", "evenzero-manual"), FP32_LOSS_RTOL),
     (("ddp-stage1", "evenzero-stage1"), FP32_LOSS_RTOL),
+    (("ddp-32", "evenzero-offload"), FP32_LOSS_RTOL),
     # DDP steps the bf16 weights themselves, evenzero fp32 masters (or bf16 ones).
     (("ddp-bf16-true", "evenzero-bf16-true"), 5e-2),
     (("ddp-bf16-true", "evenzero-bf16-master"), 2e-2),
@@ -299,3 +302,12 @@ def test_standalone_pytorch_lightning_package(tmp_path, monkeypatch):
     _both_ranks(out, "ddp", "evenzero", FP32_LOSS_RTOL)
     resumed = global_losses(out, "evenzero-instance", 2)
     assert max_rel(global_losses(out, "evenzero", 2)[EPOCH:], resumed) <= FP32_LOSS_RTOL
+
+
+def test_offload_optimizer_true_means_cpu():
+    from evenzero.lightning.options import zero_options
+
+    assert zero_options(None, {"offload_optimizer": True}, "EvenZeroStrategy")[
+        "offload_optimizer"] == "cpu"
+    assert zero_options(None, {"offload_optimizer": False}, "EvenZeroStrategy")[
+        "offload_optimizer"] is None

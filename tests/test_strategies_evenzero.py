@@ -254,3 +254,38 @@ def test_the_optimizer_implementation_and_norm_reach_the_step_work():
     assert default.step_work.optimizer_tensor_numels == tuple(
         default.shard_numel(g.name) for g in default.groups)  # one flat shard per group
     assert default.step_work.optimizer_tensors == 2 and default.step_work.params == 2
+
+
+# ---------------------------------------------------------------------- offload (issue 26)
+
+
+def test_offload_moves_optimizer_memory_to_the_host_and_counts_the_link():
+    from evenzero.cost.memory import estimate_memory
+    from evenzero.model_presets import preset
+    from evenzero.strategies import PlanOptions, plan
+
+    spec = preset("gpt2-xl")
+    plain = plan(spec, 2, "evenzero", PlanOptions(bucket_numel=1 << 24))
+    off = plan(spec, 2, "evenzero", PlanOptions(bucket_numel=1 << 24, offload_optimizer="cpu"))
+    a, b = estimate_memory(plain), estimate_memory(off)
+    shard = sum(off.shard_numel(g.name) for g in off.groups)
+    assert b.optimizer_bytes == 0 and b.grad_bytes == 0 and b.inflight_bytes == a.inflight_bytes
+    # masters + Adam's two states + the gradient shard, in fp32, plus the staging
+    assert b.host_bytes >= shard * 16 and b.host_bytes < shard * 16 * 1.3
+    work = off.step_work
+    assert work.host_step and work.copy_bytes == 0
+    assert work.host_link_backward_bytes == shard * 4
+    param_bytes = {g.name: 2 if g.dtype == "bfloat16" else 4 for g in off.groups}
+    assert work.host_link_bytes == sum(2 * off.shard_numel(g.name) * param_bytes[g.name]
+                                       for g in off.groups)
+    assert not plain.step_work.host_step and plain.step_work.host_link_bytes == 0
+
+
+def test_plan_offload_says_where_it_fits_and_what_it_costs(capsys):
+    from evenzero import cli
+
+    assert cli.main(["plan", "llama-7b", "--world-size", "1", "--strategy", "evenzero",
+                     "--offload", "--cost", "h100-nvlink-8"]) == 0
+    out = capsys.readouterr().out
+    assert "verdict: offload fits where plain ZeRO does not" in out
+    assert "across the host link per step" in out and "with offload (" in out

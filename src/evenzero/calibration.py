@@ -272,8 +272,11 @@ def measure_compute(device: torch.device | None = None, name: str = "measured") 
     during = calls / elapsed if calls else alone
     steps = measure_step_costs(device)
     names = sorted(steps)
+    link, host_step = measure_host_link(device, src) if device.type == "cuda" else (0.0, 0.0)
     rates = _slowest_rank([-matmul, -copy, -alone, -during, comm_alone, elapsed]
-                          + [-1 / steps[n] for n in names], device)
+                          + [-1 / steps[n] for n in names] + [-link, host_step], device)
+    link, host_step = -rates[-2], rates[-1]  # slowest link, longest host step
+    rates = rates[:-2]
     matmul, copy, alone, during = (-r for r in rates[:4])  # the slowest rank: lowest rate
     comm_alone, comm_beside = rates[4:6]  # and the longest call
     seconds = {n: -1 / r for n, r in zip(names, rates[6:], strict=True)}
@@ -306,6 +309,8 @@ def measure_compute(device: torch.device | None = None, name: str = "measured") 
         norm_fp64_bytes_per_element=per_element("norm_fp64", OPTIMIZER_NUMEL),
         tensor_overhead_us=seconds["per_tensor"] * 1e6,
         param_overhead_us=seconds["per_param"] * 1e6,
+        host_link_gbs=link * COPY_NUMEL * 4 / 1e9 if link > 0 else None,
+        host_step_ns_per_element=host_step * 1e9 / OPTIMIZER_NUMEL if host_step > 0 else None,
         comm_slowdown=min(4.0, max(0.0, alone / during - 1)),
         collective_slowdown=min(4.0, max(0.0, comm_beside / comm_alone - 1)),
         sources=f"evenzero calibrate: {t}x{k}x{m} {str(dtype).removeprefix('torch.')} matmul, "
@@ -315,6 +320,21 @@ def measure_compute(device: torch.device | None = None, name: str = "measured") 
                 f"single-tensor step and a visit over {SMALL_PARAMS} one-element parameters, "
                 f"matmuls beside an all-reduce and that all-reduce alone; slowest rank, "
                 f"every rank busy, {torch.get_num_threads()} thread(s) per rank")
+
+
+def measure_host_link(device: torch.device, src: torch.Tensor) -> tuple[float, float]:
+    """`offload_optimizer`'s figures on a CUDA device, every rank at once: copies per
+    second of `src` (fp32 on the device) to pinned host memory and back (the slower
+    way), and seconds of a fused CPU AdamW step over `OPTIMIZER_NUMEL` elements."""
+    pinned = torch.empty(src.numel(), dtype=src.dtype, pin_memory=True)
+    down = _rate(lambda: pinned.copy_(src, non_blocking=True), device)
+    up = _rate(lambda: src.copy_(pinned, non_blocking=True), device)
+    gen = torch.Generator().manual_seed(0)
+    master = torch.nn.Parameter(torch.randn(OPTIMIZER_NUMEL, generator=gen))
+    master.grad = torch.randn(OPTIMIZER_NUMEL, generator=gen)
+    adamw = torch.optim.AdamW([master], lr=1e-3, fused=True)
+    step = 1 / _rate(adamw.step, torch.device("cpu"))
+    return min(down, up), step
 
 
 def measure_step_costs(device: torch.device) -> dict[str, float]:

@@ -109,3 +109,72 @@ def plans_record(world_size: int, plans: list[tuple[Plan, PlanSummary]]) -> dict
 
 __all__ = ["PlanSummary", "bucket_record", "collective_record", "plan_record", "plans_record",
            "summarize", "summary_record"]
+
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class OffloadVerdict:
+    """`evenzero plan --offload`: evenzero's plan with and without `offload_optimizer`."""
+
+    device_gib: float
+    """The device memory each rank has (`--device-memory-gib`)."""
+    plain_device_bytes: int
+    """Parameters + gradients + in-flight buckets + optimizer on the device, no offload."""
+    offload_device_bytes: int
+    """The same with offload (parameters + buckets)."""
+    offload_host_bytes: int
+    """What offload holds in host memory instead, per rank."""
+    plain_step_s: float | None
+    """Predicted step (timeline) without and with offload; None without compute figures."""
+    offload_step_s: float | None
+    link_bytes: int
+    """Bytes across the host link per step (gradients down, parameters back and up)."""
+
+    @property
+    def plain_fits(self) -> bool:
+        return self.plain_device_bytes <= self.device_gib * GIB
+
+    @property
+    def offload_fits(self) -> bool:
+        return self.offload_device_bytes <= self.device_gib * GIB
+
+    def lines(self) -> list[str]:
+        def gib(n: int) -> str:
+            return f"{n / GIB:.2f} GiB"
+
+        def fit(ok: bool) -> str:
+            return "fits" if ok else "does not fit"
+
+        out = [f"offload_optimizer='cpu' (evenzero, per rank; activations not counted, "
+               f"device {self.device_gib:g} GiB):",
+               f"  plain ZeRO: {gib(self.plain_device_bytes)} on the device: "
+               f"{fit(self.plain_fits)}",
+               f"  offload:    {gib(self.offload_device_bytes)} on the device "
+               f"({fit(self.offload_fits)}), {gib(self.offload_host_bytes)} in host memory, "
+               f"{gib(self.link_bytes)} across the host link per step"]
+        if self.plain_step_s is not None and self.offload_step_s is not None:
+            out.append(f"  predicted step: {self.plain_step_s * 1e3:.1f} ms plain, "
+                       f"{self.offload_step_s * 1e3:.1f} ms with offload "
+                       f"({self.offload_step_s / self.plain_step_s:.2f}x)")
+        if self.offload_fits and not self.plain_fits:
+            out.append("  verdict: offload fits where plain ZeRO does not")
+        elif self.plain_fits:
+            out.append("  verdict: plain ZeRO fits; offload only trades step time for memory")
+        else:
+            out.append("  verdict: neither fits; use more ranks")
+        return out
+
+
+def offload_verdict(plain: Plan, offloaded: Plan, device_gib: float,
+                    plain_step_s: float | None, offload_step_s: float | None) -> OffloadVerdict:
+    from evenzero.cost.memory import estimate_memory
+    from evenzero.spec import DTYPE_BYTES
+
+    params = sum(g.numel * DTYPE_BYTES[g.dtype] for g in plain.groups)
+    a, b = estimate_memory(plain), estimate_memory(offloaded)
+    work = offloaded.step_work
+    link = (work.host_link_bytes + work.host_link_backward_bytes) if work is not None else 0
+    return OffloadVerdict(device_gib, params + a.total_bytes, params + b.total_bytes,
+                          b.host_bytes, plain_step_s, offload_step_s, link)

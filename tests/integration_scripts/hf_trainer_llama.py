@@ -77,7 +77,9 @@ def main() -> None:
             json.dump({"rank": rank, "world_size": args.world_size,
                        "micro_losses": trainer.micro_losses,
                        "log_history": trainer.state.log_history,
-                       "global_step": trainer.state.global_step}, f)
+                       "global_step": trainer.state.global_step,
+                       "cpu_offload": getattr(trainer.model_wrapped, "zero_cpu_offload",
+                                              lambda: None)()}, f)
 
 
 if __name__ == "__main__":

@@ -103,8 +103,11 @@ def consolidated_state_dict(opt: ShardedOptimizer) -> tuple[dict[str, torch.Tens
 def _gather(opt: ShardedOptimizer, group: str, size: int, flat: torch.Tensor) -> list[torch.Tensor]:
     if size == 1:
         return [flat.detach().cpu()]
+    # An offloaded shard lives on the host; the collective runs where the group's
+    # backend does (the control device).
+    flat = flat.detach().to(opt.control_device).contiguous()
     parts = [torch.empty_like(flat) for _ in range(size)]
-    dist.all_gather(parts, flat.detach().contiguous(), group=opt.process_group(group))
+    dist.all_gather(parts, flat, group=opt.process_group(group))
     return [p.cpu() for p in parts]
 
 

@@ -73,6 +73,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ZeroOptimizer runs them; evenzero lays the matrices out "
                         "matrix-aligned and its notes give the padding and the "
                         "Newton-Schulz balance")
+    p.add_argument("--offload", action="store_true",
+                   help="also say whether evenzero with offload_optimizer='cpu' fits where "
+                        "plain ZeRO does not, and what it costs per step")
+    p.add_argument("--device-memory-gib", type=finite_float(0.0, inclusive=False), default=80.0,
+                   metavar="G", help="with --offload: device memory per rank (default 80)")
     p.add_argument("--json", action="store_true", help="print the plans as JSON")
     p.add_argument("--plot", metavar="FILE.png",
                    help="plot backward message sizes per call (.png added if no extension)")
@@ -177,10 +182,36 @@ def main(args: argparse.Namespace) -> int:
             sys.stdout.write("\n" + markdown_timeline(ttitle, timelines, notes))
         else:
             print_timeline(ttitle, timelines, notes)
+    if args.offload:
+        for line in offload_lines(spec, args.world_size, options, model, args.device_memory_gib):
+            print(line)
     for path in (plot, gantt):
         if path is not None:
             print(f"wrote {path}")
     return 0
+
+
+def offload_lines(spec: ModelSpec, world_size: int, options: PlanOptions, model: CostModel,
+                  device_gib: float) -> list[str]:
+    """`--offload`: evenzero's plan with and without `offload_optimizer="cpu"`."""
+    from evenzero.plan_report import offload_verdict
+
+    plain = plan(spec, world_size, "evenzero", options)
+    offloaded = plan(spec, world_size, "evenzero",
+                     dataclasses.replace(options, offload_optimizer="cpu"))
+    steps: list[float | None] = [None, None]
+    if model.compute is not None:
+        steps = [t.total_s for t in step_timelines(spec, model, [plain, offloaded])]
+    lines = offload_verdict(plain, offloaded, device_gib, *steps).lines()
+    dev = model.compute
+    if dev is not None:
+        link = (f"{dev.host_link_gbs:g} GB/s" if dev.host_link_gbs is not None
+                else "none (the device is the host)")
+        step = (f"{dev.host_step_ns_per_element:g} ns/element" if dev.host_step_ns_per_element
+                is not None else "the device's own optimizer figures")
+        lines.append(f"  host link {link}, host step {step} ({dev.name}; `evenzero calibrate` "
+                     f"measures both on a GPU)")
+    return lines
 
 
 def step_timelines(spec: ModelSpec, model: CostModel, plans) -> list:

@@ -113,6 +113,13 @@ class DeviceCompute:
     copies and reductions wait for cores the compute holds, so the two share the time
     instead of overlapping; 0 where communication has engines of its own (NCCL's kernels
     on their own SMs, nearly)."""
+    host_link_gbs: float | None = None
+    """`offload_optimizer`: GB/s of pinned copies between this device and its host, each
+    way (PCIe, NVLink-C2C); None: the device is the host, and a link copy is a memory copy."""
+    host_step_ns_per_element: float | None = None
+    """`offload_optimizer`: ns per element of the optimizer step on this device's host
+    (fused CPU AdamW, with every rank of the host stepping at once); None: the device is
+    the host, and its own optimizer figures price the step."""
     sources: str = ""
     """Where the numbers come from."""
 
@@ -128,6 +135,9 @@ class DeviceCompute:
         _check("param_overhead_us", self.param_overhead_us, positive=False)
         _check("comm_slowdown", self.comm_slowdown, positive=False)
         _check("collective_slowdown", self.collective_slowdown, positive=False)
+        for f in ("host_link_gbs", "host_step_ns_per_element"):
+            if getattr(self, f) is not None:
+                _check(f, getattr(self, f), positive=True)
         if self.default_optimizer_impl not in OPTIMIZER_IMPLS:
             raise ValueError(f"default_optimizer_impl must be one of {OPTIMIZER_IMPLS}, got "
                              f"{self.default_optimizer_impl!r}")
@@ -174,6 +184,19 @@ class DeviceCompute:
         if not tensor_numels:
             return self.moved_seconds(elements * self.optimizer_bytes(impl))
         return self.moved_seconds(sum(n * self.optimizer_bytes_at(impl, n) for n in tensor_numels))
+
+    def host_link_seconds(self, nbytes: float) -> float:
+        """`nbytes` copied across the host link (one way)."""
+        if self.host_link_gbs is None:
+            return self.copy_seconds(nbytes)
+        return nbytes / (self.host_link_gbs * 1e9)
+
+    def host_step_seconds(self, elements: int, impl: str | None = None,
+                          tensor_numels: Sequence[int] = ()) -> float:
+        """The optimizer step on the host over `elements` elements (`offload_optimizer`)."""
+        if self.host_step_ns_per_element is None:
+            return self.optimizer_seconds(elements, impl, tensor_numels)
+        return elements * self.host_step_ns_per_element * 1e-9
 
     def norm_seconds(self, elements: int, norm: str | None) -> float:
         """The global gradient norm over `elements` ("fp32" or "fp64"; None: none)."""

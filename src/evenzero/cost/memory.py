@@ -52,6 +52,9 @@ class MemoryEstimate:
     """One line on what was assumed for this strategy."""
     residual_bytes: int = 0
     """Error feedback's fp32 residual of every compressed bucket (`MemoryModel.residual_numel`)."""
+    host_bytes: int = 0
+    """`MemoryModel.offloaded`: what the rank holds in host memory instead (the gradient
+    shard, masters, optimizer state and the copies' staging); not in `total_bytes`."""
 
     @property
     def total_bytes(self) -> int:
@@ -117,6 +120,19 @@ def estimate_memory(plan: Plan, bucket_numel: int | None = None) -> MemoryEstima
         optimizer = sum(g.numel * (state + (0 if g.name in aliased else master))
                         for g in plan.groups)
         what = "full Adam state"
+    host = 0
+    if model.offloaded:
+        # runtime/offload.py: the gradient shard, masters and state move to the host, with
+        # staging of one shard in the parameter dtype (published parameters) and of one
+        # bucket's share in the master dtype (landed gradients).
+        shard_grads = sum(shard.values()) * master
+        host = (shard_grads + optimizer
+                + sum(shard[g.name] * DTYPE_BYTES[g.dtype] for g in plan.groups)
+                + max((b.numel // max(1, plan.group(b.group).size) for b in plan.buckets),
+                      default=0) * master)
+        grads -= shard_grads
+        optimizer = 0
+        what += " in host memory (offload_optimizer)"
     label = model.grads_at_rest.value
     if master != FP32:
         label = label.replace("fp32", f"{master * 8}-bit")
@@ -130,7 +146,7 @@ def estimate_memory(plan: Plan, bucket_numel: int | None = None) -> MemoryEstima
     basis = " + ".join(parts) + "; " + what
     if plan.memory is None:
         basis += f" (generic: planner of {plan.strategy!r} set no memory model)"
-    return MemoryEstimate(grads, inflight, optimizer, basis, residual)
+    return MemoryEstimate(grads, inflight, optimizer, basis, residual, host)
 
 
 __all__ = ["GENERIC_MEMORY", "MemoryEstimate", "estimate_memory"]

@@ -58,12 +58,19 @@ _GPU_STEP_SOURCES = ("; step: fused AdamW 28 B/element, foreach and single-tenso
                      "copy) B/element, 50 us per tensor of a single-tensor step, 1 us per "
                      "parameter visit")
 
+# offload_optimizer (not measured here; `evenzero calibrate` measures both on a GPU):
+# pinned copies at about 80% of the link (PCIe Gen5 x16 64 GB/s, Gen4 32 GB/s each way),
+# and a fused CPU AdamW step at ~15 B/element (CPU_LOCAL below) on an ~10 GB/s share of
+# the host's memory bandwidth per GPU of an 8-GPU host.
+_HOST_STEP_NS = 1.5
 H100 = DeviceCompute(
     "h100", tflops=495.0, memory_gbs=2850.0, **_GPU_STEP,
+    host_link_gbs=50.0, host_step_ns_per_element=_HOST_STEP_NS,
     sources="H100 SXM datasheet: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3; half and 85% of "
             "them sustained" + _GPU_STEP_SOURCES)
 A100 = DeviceCompute(
     "a100", tflops=156.0, memory_gbs=1730.0, **_GPU_STEP,
+    host_link_gbs=25.0, host_step_ns_per_element=_HOST_STEP_NS,
     sources="A100 SXM 80GB datasheet: 312 TFLOP/s dense BF16, 2.04 TB/s HBM2e; half and 85% "
             "of them sustained" + _GPU_STEP_SOURCES)
 CPU_LOCAL = DeviceCompute(

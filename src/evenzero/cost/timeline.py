@@ -359,10 +359,23 @@ def simulate(plan: Plan, cost: CostModel, profile: ComputeProfile,
         lanes.wait([lanes.launch(c)], "step needs it")
     lanes.compute(dev.moved_seconds(work.copy_bytes), "copy", "parameters and masters")
     impl = work.optimizer_impl or dev.default_optimizer_impl
-    lanes.compute(dev.optimizer_seconds(work.optimizer_elements, work.optimizer_impl,
-                                        work.optimizer_tensor_numels),
-                  "optimizer", f"{impl} on {work.optimizer_elements:,} elements in "
-                               f"{work.optimizer_tensors:,} tensors")
+    if work.host_step:
+        # offload_optimizer: the gradients' copies to the host ran beside the backward;
+        # what the backward did not hide is waited for, then the host step and the
+        # parameters' copies (charged in full: their overlap with the step is not modelled).
+        hidden = sum(seconds for _, seconds in profile.backward) + profile.tail_s
+        lanes.compute(max(0.0, dev.host_link_seconds(work.host_link_backward_bytes) - hidden),
+                      "host link", f"{work.host_link_backward_bytes:,} gradient bytes to the host")
+        lanes.compute(dev.host_step_seconds(work.optimizer_elements, work.optimizer_impl,
+                                            work.optimizer_tensor_numels),
+                      "optimizer", f"host {impl} on {work.optimizer_elements:,} elements")
+        lanes.compute(dev.host_link_seconds(work.host_link_bytes), "host link",
+                      f"{work.host_link_bytes:,} parameter bytes across the host link")
+    else:
+        lanes.compute(dev.optimizer_seconds(work.optimizer_elements, work.optimizer_impl,
+                                            work.optimizer_tensor_numels),
+                      "optimizer", f"{impl} on {work.optimizer_elements:,} elements in "
+                                   f"{work.optimizer_tensors:,} tensors")
     if work.matrix_flops:
         lanes.compute(dev.seconds(work.matrix_flops, 0.0), "newton-schulz",
                       f"{work.matrix_flops / 1e9:,.2f} GFLOP of whole-matrix updates")

@@ -72,6 +72,10 @@ class ZeroSection:
     reduce_bucket_size: int | None = None
     """Elements per bucket when given; None keeps evenzero's default bucket size."""
     compute_grad_norm: bool = True
+    offload_optimizer: str | None = None
+    """`offload_optimizer.device` "cpu" (or the legacy `cpu_offload: true`); None: off."""
+    pin_memory: bool = True
+    """`offload_optimizer.pin_memory` (DeepSpeed 0.19.8's default: True)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,9 @@ class EngineConfig:
     use_data_before_expert_parallelism: bool
     no_ops: tuple[tuple[str, str], ...]
     """(key, why it changes nothing here) for every accepted no-op key present."""
+    force_ds_cpu_optimizer: bool = True
+    """`zero_force_ds_cpu_optimizer`: with offload, refuse a client optimizer other than
+    DeepSpeedCPUAdam, as DeepSpeed does (deepspeed/runtime/engine.py@0.19.8:2342)."""
     unknown_keys: tuple[str, ...] = ()
     """Top-level keys DeepSpeed does not know (DeepSpeed ignores them; a warning says so)."""
 
@@ -180,7 +187,8 @@ def parse_config(raw: Mapping[str, Any], world_size: int) -> EngineConfig:
         dataloader_drop_last=bool(raw.get("dataloader_drop_last", False)),
         use_data_before_expert_parallelism=bool(raw.get("use_data_before_expert_parallelism",
                                                         False)),
-        no_ops=tuple(no_ops), unknown_keys=tuple(sorted(unknown)))
+        no_ops=tuple(no_ops), unknown_keys=tuple(sorted(unknown)),
+        force_ds_cpu_optimizer=_force_cpu_optimizer(raw))
 
 
 def _refuse_hf_auto(raw: Mapping[str, Any]) -> None:
@@ -230,9 +238,11 @@ def _zero_section(zero: Any) -> tuple[ZeroSection, list[tuple[str, str]]]:
     if not isinstance(zero, Mapping):
         raise DeepSpeedConfigError(f"zero_optimization must be a dict, got {type(zero).__name__}")
     no_ops = []
+    offload, pin, offload_no_ops = _offload_section(zero)
+    no_ops += offload_no_ops
     for key, value in zero.items():
         where = f"zero_optimization.{key}"
-        if key in ZERO_HONOURED:
+        if key in ZERO_HONOURED or key in OFFLOAD_KEYS:
             continue
         if key in ZERO_NO_OP:
             no_ops.append((where, ZERO_NO_OP[key]))
@@ -264,7 +274,91 @@ def _zero_section(zero: Any) -> tuple[ZeroSection, list[tuple[str, str]]]:
                                        f"whole number of elements, got {bucket!r}")
         bucket = int(bucket)
     compute_norm = zero.get("compute_grad_norm", True)
-    return ZeroSection(int(stage), bucket, bool(compute_norm)), no_ops
+    return ZeroSection(int(stage), bucket, bool(compute_norm), offload, pin), no_ops
+
+
+def _force_cpu_optimizer(raw: Mapping[str, Any]) -> bool:
+    value = raw.get("zero_force_ds_cpu_optimizer", True)
+    if not isinstance(value, bool):
+        raise DeepSpeedConfigError(f"zero_force_ds_cpu_optimizer must be true or false, got "
+                                   f"{value!r}")
+    return value
+
+
+OFFLOAD_KEYS = ("offload_optimizer", "cpu_offload", "cpu_offload_use_pin_memory")
+"""ZeRO keys that ask for optimizer offload (the last two: DeepSpeed's deprecated form)."""
+
+
+def _offload_section(zero: Mapping[str, Any]) -> tuple[str | None, bool, list[tuple[str, str]]]:
+    """(device or None, pin_memory, no-op keys) of `offload_optimizer`, by DeepSpeed 0.19.8's
+    `DeepSpeedZeroOffloadOptimizerConfig` (deepspeed/runtime/zero/offload_config.py)."""
+    section = zero.get("offload_optimizer")
+    legacy = zero.get("cpu_offload")
+    if section is None and legacy:
+        pin = zero.get("cpu_offload_use_pin_memory")
+        return "cpu", True if pin is None else _bool(pin, "cpu_offload_use_pin_memory"), []
+    if section is None:
+        return None, True, []
+    if not isinstance(section, Mapping):
+        raise DeepSpeedConfigError(f"zero_optimization.offload_optimizer must be a dict, got "
+                                   f"{type(section).__name__}")
+    extra = sorted(set(section) - set(OFFLOAD_OPTIMIZER_KEYS))
+    if extra:
+        raise DeepSpeedConfigError(f"config key 'zero_optimization.offload_optimizer.{extra[0]}' "
+                                   f"is not a DeepSpeed offload setting (DeepSpeed 0.19.8 "
+                                   f"rejects it too)")
+    device = str(section.get("device", "none")).lower()
+    if device == "none":
+        return None, True, []
+    if device == "nvme":
+        raise DeepSpeedConfigError("config key 'zero_optimization.offload_optimizer.device' = "
+                                   "'nvme': NVMe offload is not supported by evenzero.deepspeed; "
+                                   "use \"device\": \"cpu\" (host memory)")
+    if device != "cpu":
+        raise DeepSpeedConfigError(f"zero_optimization.offload_optimizer.device must be 'cpu', "
+                                   f"'nvme' or 'none', got {section.get('device')!r}")
+    ratio = section.get("ratio", 1.0)
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+        raise DeepSpeedConfigError(f"zero_optimization.offload_optimizer.ratio must be a number "
+                                   f"from 0 to 1, got {ratio!r}")
+    if ratio < 1:
+        raise DeepSpeedConfigError(
+            f"config key 'zero_optimization.offload_optimizer.ratio' = {ratio}: partial offload "
+            f"(a share of the optimizer stepped on the GPU) is not supported by "
+            f"evenzero.deepspeed (DeepSpeed 0.19.8 honours it at ZeRO-3 only); remove it or set "
+            f"1.0 to offload all of it")
+    if section.get("super_offload"):
+        raise DeepSpeedConfigError("config key 'zero_optimization.offload_optimizer."
+                                   "super_offload': SuperOffload (a ZeRO-3 feature) is not "
+                                   "supported by evenzero.deepspeed; remove it")
+    count = section.get("buffer_count", 4)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise DeepSpeedConfigError(f"zero_optimization.offload_optimizer.buffer_count must be "
+                                   f"an integer >= 0, got {count!r}")
+    no_ops = [(f"zero_optimization.offload_optimizer.{k}", why)
+              for k, why in OFFLOAD_NO_OPS.items() if k in section]
+    return "cpu", _bool(section.get("pin_memory", True), "offload_optimizer.pin_memory"), no_ops
+
+
+OFFLOAD_OPTIMIZER_KEYS = ("device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read",
+                          "pipeline_write", "fast_init", "ratio", "super_offload",
+                          "cpuadam_cores_perc")
+OFFLOAD_NO_OPS = {
+    "buffer_count": "it sizes DeepSpeed's NVMe swap buffers; host offload keeps whole shards",
+    "fast_init": "it speeds up NVMe initialisation; host offload has none",
+    "nvme_path": "NVMe only; the device is cpu",
+    "pipeline_read": "NVMe tiling (ZeRO-Infinity) only",
+    "pipeline_write": "NVMe tiling (ZeRO-Infinity) only",
+    "cpuadam_cores_perc": "it only applies with super_offload (ZeRO-3)",
+}
+"""`offload_optimizer` keys accepted with device cpu, and why they change nothing."""
+
+
+def _bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise DeepSpeedConfigError(f"zero_optimization.{key} must be true or false, got "
+                                   f"{value!r}")
+    return value
 
 
 ZEROPP_INSTEAD = {

@@ -27,12 +27,11 @@ HONOURED_KEYS = frozenset({
     "zero_optimization", "communication_data_type", "steps_per_print", "dataloader_drop_last",
     "gradient_allreduce_op", "managed_gradient_accumulation", "checkpoint",
     "use_data_before_expert_parallelism", "data_types", "gradient_predivide_factor",
-    "sequence_parallel_size", "data_parallel_size",
+    "sequence_parallel_size", "data_parallel_size", "zero_force_ds_cpu_optimizer",
 })
 
 NO_OP_KEYS = {
     "zero_allow_untested_optimizer": "every elementwise torch optimizer is accepted",
-    "zero_force_ds_cpu_optimizer": "it only matters with CPU offload, which is refused",
     "wall_clock_breakdown": "DeepSpeed's timers are not kept; use torch.profiler",
     "memory_breakdown": "use ZeroOptimizer.memory_report()",
     "dump_state": "DeepSpeed's state dump is not written",
@@ -95,11 +94,8 @@ ZERO_NO_OP = {
 }
 ZERO_STAGE3_PREFIX = "stage3_"
 ZERO_REFUSED = {
-    "offload_optimizer": "optimizer offload to CPU/NVMe",
     "offload_param": "parameter offload",
-    "cpu_offload": "CPU offload",
     "cpu_offload_param": "parameter offload",
-    "cpu_offload_use_pin_memory": "CPU offload",
     "zenflow": "ZenFlow",
     "zero_hpz_partition_size": "hierarchical partitioning (ZeRO++ hpZ)",
     "zero_quantized_weights": "quantized weights (ZeRO++ qwZ)",
@@ -118,8 +114,7 @@ ZERO_REFUSED_OFF = {"zero_hpz_partition_size": (0, 1), "legacy_stage1": (False,)
                     "zero_quantized_weights": (False,), "zero_quantized_gradients": (False,),
                     "zero_quantized_nontrainable_weights": (False,),
                     "pipeline_loading_checkpoint": (False,), "override_module_apply": (True,),
-                    "cpu_offload": (False, None), "cpu_offload_param": (False, None),
-                    "cpu_offload_use_pin_memory": (False, None),
+                    "cpu_offload_param": (False, None),
                     "save_muon_momentum_buffer_in_memory": (False,)}
 
 FP16_KEYS = frozenset({"enabled", "auto_cast", "loss_scale", "initial_scale_power",

@@ -93,6 +93,13 @@ class DeepSpeedEngine(torch.nn.Module):
     def zero_optimization_partition_gradients(self) -> bool:
         return self._config.zero.stage >= 2
 
+    def zero_cpu_offload(self) -> bool:
+        """Whether the optimizer is offloaded to the host (`offload_optimizer.device: cpu`)."""
+        return self._config.zero.offload_optimizer == "cpu"
+
+    def zero_use_cpu_optimizer(self) -> bool:
+        return self.zero_cpu_offload()
+
     def fp16_enabled(self) -> bool:
         return self._config.precision.fp16
 

@@ -33,6 +33,9 @@ class FusedAdam(torch.optim.Optimizer):
     evenzero_update = "elementwise"
     """Declared for `ZeroOptimizer` (it steps any flat shard), also where it steps a
     group of its own (Muon's Adam half, `evenzero.deepspeed.muon`)."""
+    keeps_state_with_params = True
+    """Its state is made like the tensors it steps, so `offload_optimizer` may step it on
+    the host (`evenzero.runtime.offload.host_steppable`)."""
 
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from evenzero.deepspeed.config import DeepSpeedConfigError, NamedSection
-from evenzero.deepspeed.fused_adam import FusedAdam
+from evenzero.deepspeed.fused_adam import DeepSpeedCPUAdam, FusedAdam
 from evenzero.deepspeed.muon import DeepSpeedMuon, halves
 
 # deepspeed/runtime/config.py@0.19.8:52-66: names DeepSpeed lower-cases.
@@ -52,7 +52,10 @@ class OptimizerChoice:
     """Muon: the Adam half's settings and `adam_w_mode` (`evenzero.deepspeed.muon`)."""
 
 
-def optimizer_from_config(section: NamedSection) -> OptimizerChoice:
+def optimizer_from_config(section: NamedSection, offload: bool = False) -> OptimizerChoice:
+    """`offload`: ZeRO-Offload is on, so Adam/AdamW without `torch_adam` is DeepSpeed's
+    CPU Adam (deepspeed/runtime/engine.py@0.19.8 `get_optimizer_configuration`), the
+    same `Step_1` kernel as FusedAdam on the CPU, stepped on the host."""
     name = section.type
     if name.lower() in DEEPSPEED_OPTIMIZERS:
         name = name.lower()
@@ -62,7 +65,11 @@ def optimizer_from_config(section: NamedSection) -> OptimizerChoice:
                                    "please switch to using the deepspeed parameter "
                                    "'gradient_clipping'")
     if name in ("adam", "adamw"):
-        return OptimizerChoice(*_adam(name, params), name)
+        cls, kwargs = _adam(name, params)
+        if offload and cls is FusedAdam:
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("adam_w_mode", "set_grad_none")}
+            cls, kwargs = DeepSpeedCPUAdam, {**kwargs, "adamw_mode": _adam_w(name, section)}
+        return OptimizerChoice(cls, kwargs, name)
     if name == "muon":
         muon, adam, adam_w_mode = halves(params)
         return OptimizerChoice(DeepSpeedMuon, muon, name, (adam, adam_w_mode))
@@ -101,6 +108,10 @@ def _adam(name: str, params: dict) -> tuple[type[torch.optim.Optimizer], dict]:
     return FusedAdam, {**params, "adam_w_mode": effective}
 
 
+def _adam_w(name: str, section: NamedSection) -> bool:
+    return name == "adamw" or bool(section.params.get("adam_w_mode", True))
+
+
 def _check_kwargs(cls: type, params: Mapping[str, Any], what: str) -> None:
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
     extra = sorted(set(params) - accepted)
@@ -114,6 +125,8 @@ def optimizer_from_client(optimizer: torch.optim.Optimizer) -> OptimizerChoice:
     cls = type(optimizer)
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
     kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    if isinstance(optimizer, FusedAdam):  # its mode is an attribute, not a default
+        kwargs["adamw_mode" if "adamw_mode" in accepted else "adam_w_mode"] = optimizer.adam_w_mode
     return OptimizerChoice(cls, kwargs, cls.__name__)
 
 

@@ -36,7 +36,8 @@ REFUSED_MODULES = {
     "runtime.sequence_parallel": "sequence parallelism (Ulysses/ALST) is not supported",
     "sequence": "sequence parallelism (Ulysses) is not supported",
     "runtime.hybrid_engine": "the hybrid (RLHF) engine is not supported",
-    "ops.adagrad": "DeepSpeedCPUAdagrad exists for optimizer offload, which is not supported",
+    "ops.adagrad": "DeepSpeedCPUAdagrad is not provided; under offload_optimizer use "
+                   "torch.optim.Adagrad (stepped on the host with its CPU kernel)",
     "ops.lion": "DeepSpeed's Lion optimizers are not provided (FusedLion, DeepSpeedCPULion)",
     "ops.lamb": "DeepSpeed's FusedLamb is not provided",
     "ops.transformer": "DeepSpeed's fused transformer kernels are not provided",

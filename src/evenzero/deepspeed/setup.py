@@ -172,6 +172,22 @@ def _check_stage0(cfg: EngineConfig, model: torch.nn.Module, groups: dict) -> No
             "that rank's experts; use stage 1 or 2 (global norm), or gradient_clipping: 0")
 
 
+def _check_offload_client(cfg: EngineConfig, client: Any) -> None:
+    """DeepSpeed refuses a client optimizer under ZeRO-Offload unless it is its CPU Adam
+    or `zero_force_ds_cpu_optimizer` is false (deepspeed/runtime/engine.py@0.19.8:2342)."""
+    from evenzero.deepspeed.fused_adam import DeepSpeedCPUAdam
+
+    if (cfg.zero.offload_optimizer is None or client is None or not cfg.force_ds_cpu_optimizer
+            or isinstance(client, DeepSpeedCPUAdam)):
+        return
+    raise DeepSpeedConfigError(
+        f"You are using ZeRO-Offload with a client provided optimizer ({type(client)}) which "
+        f"DeepSpeed refuses: use deepspeed.ops.adam.DeepSpeedCPUAdam, or set an optimizer in "
+        f"your ds-config, or set \"zero_force_ds_cpu_optimizer\": false to step "
+        f"{type(client).__name__} on the host (evenzero steps torch.optim optimizers there "
+        f"with their CPU kernels)")
+
+
 def _build_optimizer(model: torch.nn.Module, cfg: EngineConfig, client: Any, model_parameters: Any,
                      groups: dict, client_scheduler: bool) -> tuple[EngineOptimizer, str | None]:
     from evenzero.runtime import ZeroConfig, ZeroOptimizer
@@ -190,7 +206,7 @@ def _build_optimizer(model: torch.nn.Module, cfg: EngineConfig, client: Any, mod
         param_groups = [dict(g) for g in client.param_groups]
         name = None
     else:
-        choice = optimizer_from_config(cfg.optimizer)
+        choice = optimizer_from_config(cfg.optimizer, cfg.zero.offload_optimizer is not None)
         params = model.parameters() if model_parameters is None else model_parameters
         param_groups = as_groups(params)
         if choice.muon_adam is not None:
@@ -201,9 +217,11 @@ def _build_optimizer(model: torch.nn.Module, cfg: EngineConfig, client: Any, mod
             param_groups = split_moe_groups(param_groups)
         name = choice.name
     _check_adagrad(cfg, choice, param_groups, client is not None and client_scheduler)
+    _check_offload_client(cfg, client)
     zero_groups = zero_param_groups(param_groups, groups)
     zcfg = ZeroConfig(stage=max(1, cfg.zero.stage), bucket_numel=cfg.zero.reduce_bucket_size,
-                      elementwise=declared_elementwise(choice.cls), **wire_settings(cfg))
+                      elementwise=declared_elementwise(choice.cls), **wire_settings(cfg),
+                      offload_optimizer=cfg.zero.offload_optimizer, pin_memory=cfg.zero.pin_memory)
     zero = ZeroOptimizer(model, choice.cls, zero_groups, config=zcfg, **choice.kwargs)
     if client is not None:
         _adopt_client(zero, client)

@@ -1,7 +1,8 @@
 """The strategies' evenzero options, and what Lightning's precision setting implies for them.
 
 `EvenZeroStrategy(stage=1, bucket_numel=2**22, ...)` takes `ZeroConfig` fields as
-keywords (or a whole `config=ZeroConfig(...)`); they are checked when the strategy is
+keywords (or a whole `config=ZeroConfig(...)`; `offload_optimizer=True` means "cpu", as
+in Lightning's DeepSpeedStrategy); they are checked when the strategy is
 built, so a bad value fails at `Trainer(...)` / `Fabric(...)` on every rank. DDP's own
 options mean nothing without a DDP wrapper and are refused by name.
 
@@ -77,6 +78,9 @@ def zero_options(config: ZeroConfig | None, kwargs: Mapping[str, Any], who: str)
                         f"{type(config).__name__}")
     given = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)} if config else {}
     given.update(kwargs)
+    offload = given.get("offload_optimizer")
+    if isinstance(offload, bool):  # Lightning's DeepSpeedStrategy(offload_optimizer=True)
+        given["offload_optimizer"] = "cpu" if offload else None
     ZeroConfig(**given)  # every value checked now, on every rank that builds the strategy
     return given
 

@@ -117,6 +117,21 @@ class ZeroConfig:
     `opt.plan.notes` says it; "single_tensor" is torch's own CPU default."""
     # --- end perf
 
+    # --- offload (issue 26): runtime/offload.py
+    offload_optimizer: str | None = None
+    """"cpu": each group shard's fp32 masters, gradient shard and optimizer state live in
+    host memory and the optimizer steps there (DeepSpeed's ZeRO-Offload); the device keeps
+    the parameters and the bucket pool. Gradients are copied to the host as each bucket's
+    reduction completes, and each layout's new parameters are copied back just before its
+    all-gather. Results are bit-identical to no offload. With parameters on the CPU it
+    moves nothing (host-to-host copies only). None (default): no offload. "nvme" is
+    refused (evenzero offloads to host memory only)."""
+    pin_memory: bool = True
+    """With `offload_optimizer`: page-lock the host tensors that cross the link (masters
+    and the copies' staging) so the copies run asynchronously; only when the parameters
+    are on CUDA (ignored otherwise). Checked against the host's available memory."""
+    # --- end offload
+
     def __post_init__(self) -> None:
         if _not_int(self.stage) or self.stage not in (1, 2):
             raise ZeroConfigError(f"stage must be 1 or 2, got {self.stage!r}")
@@ -142,7 +157,14 @@ class ZeroConfig:
             raise ZeroConfigError(f"strategy must be a strategy name such as 'evenzero' or a "
                                   f"planner callable, got {self.strategy!r}")
         self._check_compression()
-        for name in ("allow_partial_grads", "overlap_param_gather",
+        if self.offload_optimizer == "nvme":  # offload (issue 26)
+            raise ZeroConfigError("offload_optimizer='nvme' is not supported: evenzero offloads "
+                                  "the optimizer to host memory only; use "
+                                  "offload_optimizer='cpu', or None")
+        if self.offload_optimizer not in (None, "cpu"):
+            raise ZeroConfigError(f"offload_optimizer must be 'cpu' or None, got "
+                                  f"{self.offload_optimizer!r}")
+        for name in ("allow_partial_grads", "overlap_param_gather", "pin_memory",
                      "grad_compression_error_feedback"):
             if not isinstance(getattr(self, name), bool):
                 raise ZeroConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")

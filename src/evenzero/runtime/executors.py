@@ -90,7 +90,8 @@ class DirectShardSync:
             wait(work, self.group.process_group, self.route)
         with record_function("evenzero::accumulate"):
             chunk = self.rs.chunk(output, self.group.size, shard.dtype)
-            add_reduced(shard, self.route.direct_shard_offset, chunk, scale, cleared)
+            off = self.route.direct_shard_offset
+            self.group.land([chunk], lambda c: add_reduced(shard, off, c[0], scale, cleared))
 
 
 class CompressedShardSync:
@@ -125,7 +126,8 @@ class CompressedShardSync:
         with record_function("evenzero::decode"):
             chunk = self.rs.chunk(buffers, self.group.size, shard.dtype)
         with record_function("evenzero::accumulate"):
-            add_reduced(shard, self.route.direct_shard_offset, chunk, scale, cleared)
+            off = self.route.direct_shard_offset
+            self.group.land([chunk], lambda c: add_reduced(shard, off, c[0], scale, cleared))
 
 
 class ReplaySync:
@@ -157,11 +159,7 @@ class ReplaySync:
                 wait(work, self.group.process_group, self.route)
                 call.finish(message, bucket)
         with record_function("evenzero::accumulate"):
-            for off, n in cleared:
-                shard[off:off + n].zero_()
-            for piece in self.route.owned:
-                shard[piece.shard_offset:piece.shard_offset + piece.numel].add_(
-                    bucket[piece.bucket_offset:piece.bucket_offset + piece.numel], alpha=scale)
+            add_owned(self.group, self.route, bucket, shard, scale, cleared)
 
 
 class LocalSync:
@@ -191,14 +189,12 @@ class LocalSync:
     def finish_grad_sync(self, handle: Any, bucket: torch.Tensor, shard: torch.Tensor,
                          scale: float, cleared: Sequence[tuple[int, int]] = ()) -> None:
         with record_function("evenzero::accumulate"):
-            if self.route.direct_shard_offset is not None:
-                add_reduced(shard, self.route.direct_shard_offset, bucket, scale, cleared)
+            off = self.route.direct_shard_offset
+            if off is not None:
+                self.group.land([bucket],
+                                lambda b: add_reduced(shard, off, b[0], scale, cleared))
                 return
-            for off, n in cleared:
-                shard[off:off + n].zero_()
-            for piece in self.route.owned:
-                shard[piece.shard_offset:piece.shard_offset + piece.numel].add_(
-                    bucket[piece.bucket_offset:piece.bucket_offset + piece.numel], alpha=scale)
+            add_owned(self.group, self.route, bucket, shard, scale, cleared)
 
     def accumulate_grads(self, grads: Sequence[torch.Tensor | None], cleared: Sequence[bool],
                          shard: torch.Tensor, scale: float) -> None:
@@ -218,15 +214,32 @@ class LocalSync:
             else:
                 add_to.append(run)
                 add_from.append(grad.reshape(-1))
-        with record_function("evenzero::accumulate"):
+        def apply(sources: list[torch.Tensor]) -> None:
+            sets, adds = sources[:len(set_to)], sources[len(set_to):]
             if zero:
                 torch._foreach_zero_(zero)
             if set_to:
-                torch._foreach_copy_(set_to, set_from)
+                torch._foreach_copy_(set_to, sets)
                 if scale != 1.0:
                     torch._foreach_mul_(set_to, scale)
             if add_to:
-                torch._foreach_add_(add_to, add_from, alpha=scale)
+                torch._foreach_add_(add_to, adds, alpha=scale)
+
+        with record_function("evenzero::accumulate"):
+            self.group.land(set_from + add_from, apply)
+
+
+def add_owned(group: GroupShard, route: BucketRoute, bucket: torch.Tensor, shard: torch.Tensor,
+              scale: float, cleared: Sequence[tuple[int, int]]) -> None:
+    """Zero the `cleared` runs of `shard`, then add this rank's owned pieces of the reduced
+    `bucket`, times `scale` (through the shard's landing: `GroupShard.land`)."""
+    def apply(pieces: list[torch.Tensor]) -> None:
+        for off, n in cleared:
+            shard[off:off + n].zero_()
+        for piece, values in zip(route.owned, pieces, strict=True):
+            shard[piece.shard_offset:piece.shard_offset + piece.numel].add_(values, alpha=scale)
+
+    group.land([bucket[p.bucket_offset:p.bucket_offset + p.numel] for p in route.owned], apply)
 
 
 def executor_for(route: BucketRoute, group: GroupShard, reduce_scatter: ReduceScatter,

@@ -36,14 +36,35 @@ class MemoryReport:
     error_feedback: int = 0
     """`grad_compression_error_feedback`'s fp32 residuals: what compression has not yet
     delivered, one value per element of every compressed bucket."""
+    host_staging: int = 0
+    """`offload_optimizer`: host buffers the copies to and from the device go through."""
+    offloaded: int = 0
+    """`offload_optimizer`: bytes of the fields above held in host memory away from the
+    parameters (masters, gradient shards, optimizer state, staging); 0 without offload."""
+    by_device: tuple[tuple[str, int], ...] = ()
+    """Every byte counted above, by the device it lives on (e.g. `(("cpu", ...),
+    ("cuda:0", ...))`), largest first."""
 
     @property
     def gradients(self) -> int:
         return self.gradient_shards + self.gradient_buffers + self.pending_grads
 
+    @property
+    def total(self) -> int:
+        """Every byte counted, on all devices."""
+        return (self.gradients + self.master_weights + self.optimizer_state + self.parameters
+                + self.bucket_pool + self.error_feedback + self.host_staging)
+
+    def on(self, device: str | torch.device) -> int:
+        """Bytes counted on `device` ("cuda:0", "cpu")."""
+        return dict(self.by_device).get(str(device), 0)
+
     def __repr__(self) -> str:
-        held = ", ".join(f"{f.name}={_human_bytes(getattr(self, f.name))}" for f in fields(self))
-        return f"MemoryReport({held}; gradients in all {_human_bytes(self.gradients)})"
+        held = ", ".join(f"{f.name}={_human_bytes(getattr(self, f.name))}" for f in fields(self)
+                         if f.name != "by_device")
+        where = ", ".join(f"{d}: {_human_bytes(n)}" for d, n in self.by_device)
+        return (f"MemoryReport({held}; gradients in all {_human_bytes(self.gradients)}; "
+                f"by device {where or '-'})")
 
     __str__ = __repr__
 
@@ -71,7 +92,21 @@ def measure(groups: Iterable[GroupShard], reducer, params: Iterable[torch.nn.Par
     pending = sum(_nbytes(p.grad) for p in params
                   if p.grad is not None and not isinstance(p.grad, ShardedGrad)
                   and p.grad.data_ptr() not in held)
+    where: dict[str, int] = {}
+    for g in groups:
+        for dev, n in g.nbytes_by_device().items():
+            where[dev] = where.get(dev, 0) + n
+    # The reducer's buffers, stray gradients and residuals live with the parameters.
+    device = next((str(b.device) for b in flat.buffers.values()), "cpu")
+    rest = reducer.nbytes() + reducer.kept_pool_nbytes() + pending + flat.nbytes() + residual_bytes
+    if rest:
+        where[device] = where.get(device, 0) + rest
+    offloaded = sum(g.grad_nbytes() + g.master_nbytes() + g.state_nbytes() + g.staging_nbytes()
+                    for g in groups if g.placement.offloaded)
     return MemoryReport(
+        host_staging=sum(g.staging_nbytes() for g in groups),
+        offloaded=offloaded,
+        by_device=tuple(sorted(where.items(), key=lambda kv: -kv[1])),
         gradient_shards=sum(g.grad_nbytes() for g in groups),
         gradient_buffers=reducer.nbytes(),
         pending_grads=pending,

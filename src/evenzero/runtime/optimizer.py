@@ -176,15 +176,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
         # The inner optimizer's implementation (runtime/innerstep.py), before the plan names it.
         mine = [g for g in setup.groups if g.optimizer is None]
+        # Offloaded shards are stepped on the host, with the host's implementation.
+        step_device = torch.device("cpu") if cfg.offload_optimizer else setup.device
         inner_step = choose_inner_step(optimizer_class, kwargs, [g.options for g in mine],
-                                       setup.device, master_dtype, cfg.optimizer_impl)
+                                       step_device, master_dtype, cfg.optimizer_impl)
         # Groups with their own class (their "optimizer" key) or a whole-tensor update each
         # get an inner optimizer of their own (docs/muon.md).
         whole = whole_tensor_names(setup.groups, optimizer_class, cfg)
         own_inner = {}
         for g in setup.groups:
             if g.optimizer is not None:
-                step = choose_inner_step(g.optimizer, {}, [g.options], setup.device,
+                step = choose_inner_step(g.optimizer, {}, [g.options], step_device,
                                          master_dtype, None)
                 own_inner[g.name] = partial(g.optimizer, **step.kwargs)
             elif any(n in whole for n in g.names):
@@ -195,10 +197,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # Parameters frozen now are not managed; unfreezing one later is named at the step.
         frozen = {id(p) for p in module.parameters() if not p.requires_grad}
         self._plans = PlanHolder(setup.spec, self.world_size, cfg, setup.group_sizes, setup.device)
+        placement = (Placement.offload(setup.device, cfg.pin_memory) if cfg.offload_optimizer
+                     else Placement.on(setup.device))
         shards = {g.name: GroupShard(g.name, g.process_group, setup.group_sizes[g.name],
                                      setup.group_ranks[g.name], param_dtypes[g.name],
                                      reduce_dtype or param_dtypes[g.name], master_dtype,
-                                     g.options, Placement.on(setup.device),
+                                     g.options, placement,
                                      {n: tuple(p.shape) for n, p in zip(g.names, g.params, strict=True)}
                                      if whole and g.names[0] in whole else None)
                   for g in setup.groups}

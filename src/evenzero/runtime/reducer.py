@@ -184,6 +184,8 @@ class GradientReducer:
             self.next += 1
         while self.inflight:
             self._finish_oldest()
+        for group in self.groups.values():
+            group.drain_grads()
         if not self.config.keep_pool:
             self.pool.release_all()
         problems = [f"gradient of {n!r} arrived after its bucket was reduced in the same "

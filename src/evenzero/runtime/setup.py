@@ -39,6 +39,7 @@ from evenzero.runtime.groups import (
     trainable,
 )
 from evenzero.runtime.innerstep import plan_note
+from evenzero.runtime.offload import check_offload, host_bytes_available, host_need
 from evenzero.runtime.precision import as_dtype
 from evenzero.runtime.teardown import claimed
 from evenzero.spec import ModelSpec, dtype_name, is_expert
@@ -114,6 +115,21 @@ def _settings(config: ZeroConfig, optimizer_class, defaults: Mapping[str, Any]) 
     return tuple(items.items())
 
 
+def _check_offload(config: ZeroConfig, optimizer_class, groups: Iterable[TrainGroup],
+                   sizes: Mapping[str, int], device: torch.device) -> None:
+    """offload_optimizer's refusals, from the shards' sizes before anything is allocated
+    (`runtime/offload.py`)."""
+    if config.offload_optimizer is None:
+        return
+    master = as_dtype(config.master_dtype, "master_dtype")
+    item = torch.empty((), dtype=master).element_size()
+    shards = [(-(-sum(p.numel() for p in g.params) // sizes[g.name]),
+               g.params[0].element_size()) for g in groups if g.params]
+    pin = config.pin_memory and device.type == "cuda"
+    check_offload(config.offload_optimizer, pin, optimizer_class,
+                  host_need(shards, item, optimizer_class), host_bytes_available())
+
+
 def establish(module: torch.nn.Module, optimizer_class, param_groups: Iterable[Mapping] | None,
               config: ZeroConfig, expert_groups: Mapping[str, Any] | None, world_group,
               defaults: Mapping[str, Any], config_error: str | None = None) -> Setup:
@@ -144,6 +160,7 @@ def establish(module: torch.nn.Module, optimizer_class, param_groups: Iterable[M
             sizes[g.name] = dist.get_world_size(g.process_group)
             members.append(_members(g, world_group))
             _check_edp_pattern(g.name, members[-1], dist.get_rank(world_group), world)
+        _check_offload(config, optimizer_class, groups, sizes, device)
     except (GroupingError, ZeroConfigError) as e:
         error = str(e)
     group_of = {n: g.name for g in groups for n in g.names}
@@ -251,6 +268,7 @@ PLAN_OPTION_OF: Mapping[str, str] = {
     "grad_compression_block": "compression_block",
     "grad_compression_error_feedback": "error_feedback",
     "whole_tensor": "whole_tensor",
+    "offload_optimizer": "offload_optimizer",
 }
 """`ZeroConfig` field -> the `PlanOptions` field it sets (`plan_options`), so `opt.plan`,
 its memory estimate and the auto bucket size describe the run being executed."""
@@ -263,6 +281,8 @@ NOT_PLAN_OPTIONS: Mapping[str, str] = {
     "allow_partial_grads": "how a missing gradient is treated at the step check",
     "reduce_scatter_algorithm": "the backend's implementation of the planned reduce-scatter "
                                 "(recorded in each traced `Collective.algorithm`)",
+    "pin_memory": "whether the offloaded host tensors are page-locked (copy speed, not "
+                  "the schedule or the bytes moved)",
 }
 """`ZeroConfig` fields that are not plan options, and why. Every field is in exactly one
 of the two tables (tests/test_runtime_setup.py)."""
@@ -284,7 +304,8 @@ def plan_options(config: ZeroConfig, device: torch.device | None = None) -> Plan
                        grad_compression=config.grad_compression,
                        compression_block=config.grad_compression_block,
                        error_feedback=config.grad_compression_error_feedback,
-                       whole_tensor=tuple(config.whole_tensor))
+                       whole_tensor=tuple(config.whole_tensor),
+                       offload_optimizer=config.offload_optimizer)
 
 
 def check_compressed(plan: Plan, config: ZeroConfig) -> None:

@@ -19,7 +19,11 @@ rank's equal slice of each layout, padding included: exactly what
 * the view of the inner optimizer's state: the optimizer keeps state per piece, and
   every shard-shaped tensor of it is a view of one flat tensor per key
   (`state_flats`), so checkpoints read and write the group's state whole;
-* where each of these lives (`placement`);
+* where each of these lives (`placement`): on the parameters' device, or, with
+  `offload_optimizer="cpu"`, all three on the host, reached through a `HostLink`
+  (`runtime/offload.py`): reduced gradients `land` in the host gradient shard, a stepped
+  piece is `publish`ed to the device through it, and the masters are never the
+  parameters' memory;
 * its masked step (`runtime/maskedstep.py`).
 
 `statedict.py`, `memory.py` and the engine read and write a group's sharded state only
@@ -41,6 +45,7 @@ from evenzero.runtime.buckets import FlatParams
 from evenzero.runtime.collectives import all_gather_flat
 from evenzero.runtime.innerstep import keeps_inner_choice
 from evenzero.runtime.maskedstep import MaskedStep, split_state
+from evenzero.runtime.offload import Apply, HostLink, host_zeros
 from evenzero.runtime.paramwrites import pick_up
 from evenzero.runtime.shardruns import ShardRuns
 from evenzero.runtime.wholestep import Owned, WholeTensorStep
@@ -57,10 +62,26 @@ class Placement:
     """The gradient shard (where the reducer accumulates)."""
     optimizer_state: torch.device
     """The inner optimizer's shard-shaped state."""
+    compute: torch.device | None = None
+    """Where the parameters live and the collectives run (None: `master`'s device)."""
+    pin: bool = False
+    """Page-lock the host tensors that cross the link (offloaded, CUDA parameters)."""
 
     @staticmethod
     def on(device: torch.device) -> Placement:
         return Placement(device, device, device)
+
+    @staticmethod
+    def offload(device: torch.device, pin: bool) -> Placement:
+        """Masters, gradient shard and optimizer state on the host; parameters on `device`."""
+        host = torch.device("cpu")
+        return Placement(host, host, host, device, pin and device.type == "cuda")
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the shard is held apart from the parameters (`runtime/offload.py`);
+        true for CPU parameters too, whose data then flows through host-to-host copies."""
+        return self.compute is not None
 
 
 @dataclass(frozen=True)
@@ -111,8 +132,10 @@ class GroupShard:
         (`runtime/wholestep.py`); None: it steps the flat pieces (`MaskedStep`)."""
         self.owned: tuple[Owned, ...] = ()
         self._ever_active = False
-        self.aliased = master_dtype == param_dtype
+        self.aliased = master_dtype == param_dtype and not placement.offloaded
         """The master pieces are this rank's slices of the flat parameter buffers."""
+        self.link = HostLink(placement.compute, placement.pin) if placement.offloaded else None
+        """The copies to and from the device when offloaded (None otherwise)."""
         self.grad = torch.zeros(0, dtype=master_dtype, device=placement.grad)
         """This rank's accumulated, averaged gradient shard (the whole group's)."""
         self.pieces: tuple[Piece, ...] = ()
@@ -140,8 +163,8 @@ class GroupShard:
         current values, a zero gradient shard."""
         n = plan.shard_numel(self.name)
         if not self.aliased:
-            self._master = torch.zeros(n, dtype=self.master_dtype, device=self.placement.master)
-        self.grad = torch.zeros(n, dtype=self.master_dtype, device=self.placement.grad)
+            self._master = self._zeros(n, self.placement.master, self.placement.pin)
+        self.grad = self._zeros(n, self.placement.grad, False)
         self._place(plan, flat)
         if not self.aliased:
             for p in self.pieces:
@@ -190,6 +213,11 @@ class GroupShard:
         self._bind_flats(flats)
         self.stepper = self._make_stepper()
 
+    def _zeros(self, n: int, device: torch.device, pin: bool) -> torch.Tensor:
+        if pin:
+            return host_zeros(n, self.master_dtype, True)
+        return torch.zeros(n, dtype=self.master_dtype, device=device)
+
     def _place(self, plan: Plan, flat: FlatParams) -> None:
         pieces = []
         for s in plan.layout_shards(self.name):
@@ -231,7 +259,8 @@ class GroupShard:
         if self.aliased:
             return
         for p in self.pieces:
-            pick_up(p.master, p.owned, scratch)
+            owned = p.owned if self.link is None else self.link.fetch(p.owned)
+            pick_up(p.master, owned, scratch)
 
     def set_hyperparameters(self, user: Mapping[str, Any]) -> None:
         """The user's group options (lr, betas, ...) as the next step sees them."""
@@ -272,11 +301,29 @@ class GroupShard:
         parameter dtype; nothing to do when the master is that slice)."""
         if not self.aliased:
             p = self.pieces[self._by_layout[layout]]
-            p.owned.copy_(p.master)
+            if self.link is not None:
+                self.link.publish(layout, p.owned, p.master)
+            else:
+                p.owned.copy_(p.master)
 
     # ------------------------------------------------------------------ gradients
 
+    def land(self, sources: Sequence[torch.Tensor], apply: Apply) -> None:
+        """`apply(sources)` on the gradient shard's side: at once, or with the host copies
+        of `sources` once they arrive (`HostLink.land`)."""
+        if self.link is None:
+            apply(list(sources))
+        else:
+            self.link.land(sources, apply)
+
+    def drain_grads(self) -> None:
+        """Every landed gradient is in the gradient shard (end of a backward)."""
+        if self.link is not None:
+            self.link.drain()
+
     def zero_grad_(self) -> None:
+        if self.link is not None:
+            self.link.discard()
         self.grad.zero_()
 
     def scale_grad_(self, factor: float) -> None:
@@ -383,6 +430,22 @@ class GroupShard:
 
     # ------------------------------------------------------------------ memory
 
+    def nbytes_by_device(self) -> dict[str, int]:
+        """Bytes of the masters, gradient shard, optimizer state and the link's staging,
+        by the device they live on."""
+        out: dict[str, int] = {}
+        p = self.placement
+        for dev, n in ((p.master, self.master_nbytes()), (p.grad, self.grad_nbytes()),
+                       (p.optimizer_state, self.state_nbytes()),
+                       (p.master, self.link.staging_nbytes() if self.link else 0)):
+            if n:
+                out[str(dev)] = out.get(str(dev), 0) + n
+        return out
+
+    def staging_nbytes(self) -> int:
+        """Host bytes the offload link holds for its copies (0 without offload)."""
+        return self.link.staging_nbytes() if self.link is not None else 0
+
     def master_nbytes(self) -> int:
         """Bytes the masters take of their own (0 when they are the parameters' memory)."""
         return 0 if self.aliased else _nbytes(self._master)
@@ -419,12 +482,16 @@ def param_values(plan: Plan, shard: torch.Tensor, group: GroupShard) -> dict[str
 
 
 def reshard(shard: torch.Tensor, old: Plan, new: Plan, group: GroupShard) -> torch.Tensor:
-    """The same values, moved from this rank's shard under `old` to its shard under `new`."""
-    values = param_values(old, shard, group)
-    out = torch.zeros(new.shard_numel(group.name), dtype=shard.dtype, device=shard.device)
+    """The same values, moved from this rank's shard under `old` to its shard under `new`
+    (gathered on the parameters' device: an offloaded shard's host copy goes there)."""
+    compute = group.placement.compute or shard.device
+    values = param_values(old, shard.to(compute), group)
+    out = torch.zeros(new.shard_numel(group.name), dtype=shard.dtype, device=compute)
     for r in new.shard_ranges(group.name, group.rank):
         out[r.shard_offset:r.shard_offset + r.numel] = values[r.param][r.start:r.start + r.numel]
-    return out
+    if out.device == shard.device:
+        return out
+    return out.to(shard.device).pin_memory() if shard.is_pinned() else out.to(shard.device)
 
 
 def gather_order(plan: Plan, groups: Mapping[str, GroupShard]) -> tuple[Collective, ...]:

@@ -82,6 +82,9 @@ class PlanOptions:
     ns_steps: int = 5
     """Newton-Schulz iterations of each whole-tensor update (Muon's `ns_steps`): the
     FLOPs `StepWork.matrix_flops` charges and the layout balances."""
+    offload_optimizer: str | None = None
+    """evenzero and DeepSpeed: "cpu" keeps the masters, gradient shard and optimizer state
+    in host memory and steps there (ZeRO-Offload); None keeps them on the device."""
 
     def __post_init__(self) -> None:
         b = self.bucket_numel
@@ -124,6 +127,9 @@ class PlanOptions:
             raise PlanError("grad_compression_error_feedback=True needs a compressed wire: "
                             "set grad_compression=\"int8\" (or \"bf16\"); exact values leave "
                             "no residual to feed back")
+        if self.offload_optimizer not in (None, "cpu"):
+            raise PlanError(f"offload_optimizer must be \"cpu\" or None, got "
+                            f"{self.offload_optimizer!r} (NVMe offload is not modelled)")
 
     @property
     def fixed_bucket_numel(self) -> int | None:

@@ -47,6 +47,7 @@ from evenzero.plan import (
     Plan,
     PlanError,
     Slot,
+    StepWork,
     align_up,
     step_check,
 )
@@ -185,7 +186,10 @@ def plan_fixed(spec: ModelSpec, world_size: int, options: PlanOptions) -> Plan:
     work = step_work(plan, spec, options, norm=NORM, optimizer_impl=DEFAULT_OPTIMIZER_IMPL,
                      copied=lambda g: g.name not in aliased, copy_passes=MASTER_PASSES,
                      visits_params=True)
-    return replace(plan, step_work=replace(work, matrix_flops=ns_max))
+    work = replace(work, matrix_flops=ns_max)
+    if options.offload_optimizer is not None:
+        work = offloaded_work(plan, work, options)
+    return replace(plan, step_work=work)
 
 
 @dataclass(frozen=True)
@@ -277,6 +281,25 @@ def align_group(g: GroupInfo, order: list[str], numel: dict[str, int], whole: di
     return AlignedGroup(buckets, notes, work, load)
 
 
+OFFLOAD_IMPL = "fused"
+"""The host step's implementation: torch's fused CPU kernel for Adam/AdamW, the one
+`runtime/innerstep.py` picks for fp32 shards on the CPU."""
+
+
+def offloaded_work(plan: Plan, work: StepWork, options: PlanOptions) -> StepWork:
+    """The step of `runtime/offload.py`: the optimizer on the host, and per shard element
+    the gradient (master dtype) to the host during the backward, then the parameter
+    (its dtype) back to the host for the user's writes and the update to the device. The
+    masters' copies are host-side, so the device copies nothing."""
+    master = DTYPE_BYTES[options.master_dtype]
+    shard = {g.name: plan.shard_numel(g.name) for g in plan.groups}
+    return replace(work, copy_bytes=0, host_step=True,
+                   optimizer_impl=options.optimizer_impl or OFFLOAD_IMPL,
+                   host_link_bytes=sum(2 * shard[g.name] * DTYPE_BYTES[g.dtype]
+                                       for g in plan.groups),
+                   host_link_backward_bytes=sum(shard.values()) * master)
+
+
 def aliased_groups(infos: tuple[GroupInfo, ...], options: PlanOptions) -> tuple[str, ...]:
     """Groups whose master is the owned slice of their flat parameter buffer: fp32
     parameters with fp32 masters."""
@@ -330,11 +353,12 @@ def memory_model(infos: tuple[GroupInfo, ...], options: PlanOptions, casts: bool
         grads, held, basis = GradsAtRest.BUFFERS_AND_SHARD, n if casts else 0, ""
         if casts:
             basis = f"{n} cast bucket{'s' if n > 1 else ''} in flight"
+    offloaded = options.offload_optimizer is not None
     return MemoryModel(grads, buckets_in_flight=held, in_flight_basis=basis,
                        master_itemsize=DTYPE_BYTES[options.master_dtype],
-                       aliased_groups=aliased_groups(infos, options),
+                       aliased_groups=() if offloaded else aliased_groups(infos, options),
                        residual_numel=residual_numel,
-                       momentum_only_numel=momentum_only_numel)
+                       momentum_only_numel=momentum_only_numel, offloaded=offloaded)
 
 
 def grad_check(spec: ModelSpec, world_size: int) -> Collective:
