@@ -1,0 +1,199 @@
+"""Run DeepSpeed's vendored ZeRO-1/2 unit tests (tests/peer/deepspeed) on CPU under evenzero's
+stand-in (`evenzero run`) and, as the control, under the installed DeepSpeed; print each
+test's outcome under both and the counts.
+
+    PYTHONPATH=src python3 tests/peer/run_deepspeed.py                 # both, the full set
+    PYTHONPATH=src python3 tests/peer/run_deepspeed.py --under standin unit/checkpoint
+    PYTHONPATH=src python3 tests/peer/run_deepspeed.py --json out.json -k "TestZeroToFP32"
+
+Positional arguments are test paths or ids relative to tests/peer/deepspeed (default: the
+files in `DEFAULT_PATHS`). Exit status 0 when the stand-in passes every applicable test that
+the control passes (only `--under both` compares), else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+VENDORED = HERE / "deepspeed"
+REPO = HERE.parent.parent
+
+# test_zero_user_backward.py is vendored only because test_zero_coalesce_grad_reduction.py
+# imports its helpers; its 134 ZeRO-1/2 ids (user-driven backward, activation checkpointing)
+# are outside the issue's selection and would double the run.
+DEFAULT_PATHS = (
+    "unit/v1/zero/test_zero.py",
+    "unit/v1/zero/test_zero_coalesce_grad_reduction.py",
+    "unit/checkpoint",
+    "unit/runtime/half_precision",
+    "unit/v1/half_precision",
+    "unit/v1/moe/test_moe.py",
+    "unit/runtime/zero/test_zero_tensor_fragment.py",
+    "unit/runtime/zero/test_ignore_unused_parameters.py",
+)
+
+UNDER = ("standin", "deepspeed")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str  # passed, failed, error, skipped
+    message: str
+
+
+def run_pytest(under: str, paths: list[str], extra: list[str], timeout_s: int,
+               workdir: Path) -> tuple[dict[str, Outcome], dict[str, str], int]:
+    """Run the vendored tests once; returns ({id: outcome}, {deselected id: reason}, rc)."""
+    junit = workdir / f"{under}.xml"
+    deselected = workdir / f"{under}-deselected.json"
+    env = dict(os.environ)
+    env.update({"DS_ACCELERATOR": "cpu",
+                # DistributedTest skips when the accelerator has fewer devices than ranks;
+                # the CPU accelerator counts LOCAL_SIZE as its devices (both implementations).
+                "LOCAL_SIZE": "4",
+                "DS_UNITTEST_TIMEOUT": str(timeout_s),
+                "ZERO12_DESELECTED": str(deselected),
+                "PYTHONPATH": os.pathsep.join([str(VENDORED)] + [p for p in [env.get(
+                    "PYTHONPATH", "")] if p])})
+    pytest = [sys.executable, "-m", "pytest", "-p", "zero12_select", "-p", "no:cacheprovider",
+              "--color=no", "-q", f"--junitxml={junit}", *paths, *extra]
+    if under == "standin":
+        src = str(REPO / "src")
+        env["PYTHONPATH"] = os.pathsep.join([src, env["PYTHONPATH"]])
+        command = [sys.executable, "-c", "import sys; from evenzero.cli import main; "
+                   "sys.exit(main())", "run", *pytest]
+    else:
+        command = pytest
+    proc = subprocess.run(command, cwd=VENDORED, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    (workdir / f"{under}.log").write_text(proc.stdout)
+    outcomes = parse_junit(junit) if junit.exists() else {}
+    dropped = json.loads(deselected.read_text()) if deselected.exists() else {}
+    return outcomes, dropped, proc.returncode
+
+
+def parse_junit(path: Path) -> dict[str, Outcome]:
+    """{pytest id: outcome} from a JUnit XML report of the vendored run."""
+    outcomes: dict[str, Outcome] = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        classname = case.get("classname", "")
+        name = case.get("name", "")
+        status, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            node = case.find(tag)
+            if node is not None:
+                status = {"failure": "failed"}.get(tag, tag)
+                message = (node.get("message") or "").strip().splitlines()[0:1]
+                message = message[0][:300] if message else ""
+                break
+        outcomes[junit_id(classname, name)] = Outcome(status, message)
+    return outcomes
+
+
+def junit_id(classname: str, name: str) -> str:
+    """pytest's node id from JUnit's dotted classname (`unit.v1.zero.test_zero.TestX`)."""
+    parts = classname.split(".")
+    for i in range(len(parts), 0, -1):
+        candidate = VENDORED.joinpath(*parts[:i]).with_suffix(".py")
+        if candidate.exists():
+            return "::".join(["/".join(parts[:i]) + ".py", *parts[i:], name])
+    return "::".join([classname, name])
+
+
+REFUSAL_WORDS = ("evenzero.deepspeed stands in", "evenzero stands in",
+                 "is not supported by evenzero", "refused")
+
+
+def refused_by_name(outcome: Outcome) -> bool:
+    """A stand-in failure that is a refusal naming the feature (ZeRO-3, offload, pipeline)."""
+    return outcome.status in ("failed", "error") and any(
+        w in outcome.message for w in REFUSAL_WORDS)
+
+
+def summarise(results: dict[str, dict[str, Outcome]], dropped: dict[str, str]) -> dict:
+    """The counts and per-test table; `results[under][id]`."""
+    ids = sorted(set().union(*[set(r) for r in results.values()]))
+    counts = {under: {} for under in results}
+    for under, table in results.items():
+        for outcome in table.values():
+            counts[under][outcome.status] = counts[under].get(outcome.status, 0) + 1
+    summary = {"ids": len(ids), "deselected (refused by name)": len(dropped), "counts": counts}
+    if set(results) == set(UNDER):
+        control = {i for i in ids if results["deepspeed"].get(i, Outcome("missing", "")).status
+                   == "passed"}
+        standin = results["standin"]
+        refused = sorted(i for i in control if refused_by_name(standin.get(i, Outcome("", ""))))
+        applicable = control - set(refused)
+        passed = sorted(i for i in applicable if standin.get(i) and standin[i].status == "passed")
+        summary.update({
+            "control passes": len(control),
+            "refused by name under the stand-in": refused,
+            "applicable (control passes, not refused)": len(applicable),
+            "stand-in passes of those": len(passed),
+            "ratio": round(len(passed) / len(applicable), 4) if applicable else None,
+            "stand-in fails where the control passes": sorted(applicable - set(passed)),
+        })
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="*", help="tests or ids under tests/peer/deepspeed")
+    parser.add_argument("--under", choices=("both", *UNDER), default="both")
+    parser.add_argument("-k", dest="keyword", help="pytest -k expression")
+    parser.add_argument("--timeout", type=int, default=120,
+                        help="seconds before DistributedTest calls a test hung (DeepSpeed's "
+                             "DS_UNITTEST_TIMEOUT)")
+    parser.add_argument("--json", help="write the per-test outcomes and counts here")
+    args = parser.parse_args(argv)
+    paths = args.paths or list(DEFAULT_PATHS)
+    extra = ["-k", args.keyword] if args.keyword else []
+    unders = UNDER if args.under == "both" else (args.under,)
+    results: dict[str, dict[str, Outcome]] = {}
+    dropped: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="evenzero-peer-") as tmp:
+        for under in unders:
+            outcomes, dropped, rc = run_pytest(under, paths, extra, args.timeout, Path(tmp))
+            if not outcomes:
+                log = (Path(tmp) / f"{under}.log").read_text()
+                print(f"{under}: no test ran (pytest exit {rc}); the end of its output:\n"
+                      f"{log[-3000:]}", file=sys.stderr)
+                return 2
+            results[under] = outcomes
+    ids = sorted(set().union(*[set(r) for r in results.values()]))
+    width = max(len(i) for i in ids)
+    print(f"{'test':<{width}}  " + "  ".join(f"{u:<9}" for u in unders))
+    for i in ids:
+        cells = [results[u].get(i, Outcome("-", "")) for u in unders]
+        line = f"{i:<{width}}  " + "  ".join(f"{c.status:<9}" for c in cells)
+        why = next((c.message for c in cells if c.status in ("failed", "error")), "")
+        print(line + (f"  {why[:160]}" if why else ""))
+    summary = summarise(results, dropped)
+    for key, value in summary.items():
+        if isinstance(value, list):
+            print(f"{key}: {len(value)}")
+            for item in value:
+                print(f"  {item}")
+        else:
+            print(f"{key}: {value}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "summary": summary, "deselected": dropped,
+            "outcomes": {u: {i: [o.status, o.message] for i, o in r.items()}
+                         for u, r in results.items()}}, indent=1))
+    if "ratio" in summary:
+        return 0 if not summary["stand-in fails where the control passes"] else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
