@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from evenzero.deepspeed.loss_scaler import DeepSpeedLossScaler
+from evenzero.deepspeed.utils import tensor_fragment
 from evenzero.runtime.shardedgrad import ShardedGrad
 
 
@@ -25,6 +26,7 @@ class EngineOptimizer:
         """The optimizer object the script passed to `initialize`, if any."""
         self.overflow = False
         """Whether the last boundary step found non-finite gradients (and was skipped)."""
+        tensor_fragment.register(zero)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
