@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds before DistributedTest calls a test hung (DeepSpeed's "
                              "DS_UNITTEST_TIMEOUT)")
     parser.add_argument("--json", help="write the per-test outcomes and counts here")
+    parser.add_argument("--logs", help="keep pytest's logs and reports in this directory")
     args = parser.parse_args(argv)
     paths = args.paths or list(DEFAULT_PATHS)
     extra = ["-k", args.keyword] if args.keyword else []
@@ -161,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Outcome]] = {}
     dropped: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="evenzero-peer-") as tmp:
+        if args.logs:
+            Path(args.logs).mkdir(parents=True, exist_ok=True)
+            tmp = args.logs
         for under in unders:
             outcomes, dropped, rc = run_pytest(under, paths, extra, args.timeout, Path(tmp))
             if not outcomes:

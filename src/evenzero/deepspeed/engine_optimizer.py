@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from evenzero.deepspeed.config import NCCL_START_ALIGNMENT_FACTOR
 from evenzero.deepspeed.loss_scaler import DeepSpeedLossScaler
 from evenzero.deepspeed.utils import tensor_fragment
 from evenzero.runtime.shardedgrad import ShardedGrad
@@ -27,6 +28,8 @@ class EngineOptimizer:
         self.overflow = False
         """Whether the last boundary step found non-finite gradients (and was skipped)."""
         tensor_fragment.register(zero)
+        self.nccl_start_alignment_factor = NCCL_START_ALIGNMENT_FACTOR
+        """DeepSpeed's ZeRO-1/2 attribute (partition starts aligned to 2 fp16 elements)."""
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:

@@ -33,7 +33,9 @@ class Owner:
     name: str
 
 
-_OWNERS: weakref.WeakKeyDictionary[torch.nn.Parameter, Owner] = weakref.WeakKeyDictionary()
+# Keyed by id(): tensors compare elementwise, so they cannot be dictionary keys themselves;
+# the entry goes when the parameter does, and a reused id is caught by the identity check.
+_OWNERS: dict[int, Owner] = {}
 
 
 def register(zero: Any) -> None:
@@ -42,11 +44,17 @@ def register(zero: Any) -> None:
     for group in zero.groups:
         for layout in plan.group_layouts(group):
             for spec in layout.params:
-                _OWNERS[zero.params[spec.name]] = Owner(zero, group, spec.name)
+                param = zero.params[spec.name]
+                if id(param) not in _OWNERS:
+                    weakref.finalize(param, _OWNERS.pop, id(param), None)
+                _OWNERS[id(param)] = Owner(zero, group, spec.name)
 
 
 def _owner(param: torch.nn.Parameter) -> Owner | None:
-    return _OWNERS.get(param)
+    owner = _OWNERS.get(id(param))
+    if owner is None or owner.zero.params.get(owner.name) is not param:
+        return None
+    return owner
 
 
 def _local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
