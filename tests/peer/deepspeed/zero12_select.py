@@ -3,7 +3,8 @@ tests and records, for every id it drops, the feature evenzero refuses by name.
 
 Loaded by `tests/peer/run_deepspeed.py` with `-p zero12_select` under both DeepSpeed and the
 stand-in, so that the control and the stand-in run the same ids. The dropped ids are written
-to the JSON file named by the environment variable `ZERO12_DESELECTED` (id -> reason).
+to the JSON file named by the environment variable `ZERO12_DESELECTED` (id -> reason), and
+the ids it keeps, in run order, to the one named by `ZERO12_SELECTED`.
 """
 
 from __future__ import annotations
@@ -52,3 +53,7 @@ def pytest_collection_modifyitems(session, config, items):
     if path:
         with open(path, "w") as f:
             json.dump(dropped, f, indent=1, sort_keys=True)
+    path = os.environ.get("ZERO12_SELECTED")
+    if path:
+        with open(path, "w") as f:
+            json.dump([item.nodeid for item in kept], f, indent=1)
