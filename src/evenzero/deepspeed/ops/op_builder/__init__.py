@@ -1,7 +1,10 @@
 """`deepspeed.ops.op_builder`: DeepSpeed's builders of compiled ops. evenzero compiles none,
 so every builder is importable (tests and scripts probe `Builder.NAME` and
-`is_compatible()` to decide whether to skip) and reports itself incompatible; `load()`
-refuses by name. `deepspeed.ops.__compatible_ops__` is built from `ALL_OPS`."""
+`is_compatible()` to decide whether to skip) and `load()` refuses by name. The two whose
+optimizers evenzero provides in PyTorch (`ops.adam.FusedAdam`, `ops.adam.DeepSpeedCPUAdam`)
+report themselves compatible, so code that checks before building those optimizers builds
+them; every other op reports itself incompatible. `deepspeed.ops.__compatible_ops__` and
+`git_version_info.compatible_ops` are built from `ALL_OPS`."""
 
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ class OpBuilder:
         return f"deepspeed.ops.{self.name}_op"
 
     def is_compatible(self, verbose: bool = False) -> bool:
-        return False
+        return self.NAME in PROVIDED_IN_PYTORCH
 
     def load(self, verbose: bool = True) -> Any:
         raise unsupported(f"{type(self).__name__}().load()", NO_OPS)
@@ -42,6 +45,9 @@ def _builder(class_name: str, name: str) -> type[OpBuilder]:
     return type(class_name, (OpBuilder,), {"NAME": name, "BUILD_VAR": f"DS_BUILD_{name.upper()}",
                                           "__doc__": f"DeepSpeed's `{name}` op: not built."})
 
+
+PROVIDED_IN_PYTORCH = ("fused_adam", "cpu_adam")
+"""Ops whose optimizer `deepspeed.ops.adam` provides, written in PyTorch."""
 
 # DeepSpeed 0.19.8's builder classes and their NAMEs (deepspeed/ops/op_builder/*.py).
 _NAMES = {
@@ -60,4 +66,9 @@ _BUILDERS = {cls: _builder(cls, name) for cls, name in _NAMES.items()}
 globals().update(_BUILDERS)
 ALL_OPS: dict[str, OpBuilder] = {b.NAME: b() for b in _BUILDERS.values()}
 
-__all__ = ["ALL_OPS", "OpBuilder", *_BUILDERS]
+def compatible_ops() -> dict[str, bool]:
+    """{op name: whether its builder is compatible}, DeepSpeed's `__compatible_ops__`."""
+    return {name: builder.is_compatible() for name, builder in ALL_OPS.items()}
+
+
+__all__ = ["ALL_OPS", "OpBuilder", "PROVIDED_IN_PYTORCH", "compatible_ops", *_BUILDERS]
