@@ -77,10 +77,9 @@ def run_pytest(under: str, paths: list[str], extra: list[str], timeout_s: int,
                 return outcomes, dropped, rc
             attempt += 1
             continue
-        if attempt == 0 and selected_file.exists():
-            selected = json.loads(selected_file.read_text())
-        elif attempt == 0:
+        if not selected_file.exists():
             return outcomes, dropped, rc
+        selected = json.loads(selected_file.read_text())
         missing = [i for i in selected if i not in outcomes]
         if not missing or "Test hanged" not in log:
             return outcomes, dropped, rc
@@ -103,8 +102,9 @@ def _pytest_once(under: str, args: list[str], extra: list[str], timeout_s: int, 
                 "ZERO12_DESELECTED": str(deselected),
                 "PYTHONPATH": os.pathsep.join([str(VENDORED)] + [p for p in [env.get(
                     "PYTHONPATH", "")] if p])})
-    if name.endswith("-0"):
-        env["ZERO12_SELECTED"] = str(workdir / f"{under}-selected.json")
+    selected = workdir / f"{under}-selected.json"
+    if not selected.exists():
+        env["ZERO12_SELECTED"] = str(selected)
     pytest = [sys.executable, "-m", "pytest", "-p", "zero12_select", "-p", "no:cacheprovider",
               "--color=no", "-q", f"--junitxml={junit}", *args, *extra]
     if under == "standin":
