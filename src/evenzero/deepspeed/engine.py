@@ -70,6 +70,8 @@ class DeepSpeedEngine(torch.nn.Module):
         self._coalescing = False
         self._running_step = False
         self._is_compiled = False
+        self.sparse_tensor_module_names: set[str] = set()
+        """DeepSpeed's modules with sparse gradients (`sparse_gradients`): none here."""
         if self.optimizer is not None:
             self._report_progress(0)
 
@@ -368,6 +370,7 @@ class DeepSpeedEngine(torch.nn.Module):
             self._report_progress(self.global_steps + 1)
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+        self._record_param_steps()
 
     def _report_progress(self, step: int) -> None:
         if self.global_rank == 0:
@@ -398,8 +401,24 @@ class DeepSpeedEngine(torch.nn.Module):
                         load_module_only: bool = False, custom_load_fn: Any = None):
         from evenzero.deepspeed.engine_checkpoint import load_engine
 
-        return load_engine(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                           load_lr_scheduler_states, load_module_only, custom_load_fn)
+        out = load_engine(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                          load_lr_scheduler_states, load_module_only, custom_load_fn)
+        self._record_param_steps()
+        return out
+
+    def _record_param_steps(self) -> None:
+        """Give each parameter the optimizer's `step` in the inner optimizer's `state`, where
+        DeepSpeed's tests and users read it (`optimizer.optimizer.state[p]["step"]`). The
+        sharded optimizer keeps one step per shard piece; every piece steps together, so
+        the count of applied steps is every parameter's."""
+        if self.optimizer is None:
+            return
+        applied = self.global_steps - self.skipped_steps
+        state = self.optimizer.optimizer.state
+        for group in self.optimizer.optimizer.param_groups:
+            for p in group["params"]:
+                if applied > 0 and p.requires_grad:
+                    state[p]["step"] = torch.tensor(float(applied))
 
     # ------------------------------------------------------------------ module passthrough
 

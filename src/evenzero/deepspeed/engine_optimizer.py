@@ -39,6 +39,12 @@ class EngineOptimizer:
         return self.client if self.client is not None else self.zero
 
     @property
+    def single_partition_of_fp32_groups(self) -> list[torch.Tensor]:
+        """This rank's fp32 master partition of each group, flat (DeepSpeed's ZeRO-1/2
+        attribute; copies, as reading them must not change them)."""
+        return [self.zero.master_shard(g) for g in self.zero.groups]
+
+    @property
     def param_groups(self) -> list[dict]:
         return self.zero.param_groups
 
