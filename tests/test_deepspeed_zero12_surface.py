@@ -219,6 +219,9 @@ def check_safe_get_and_set_full() -> None:
         safe_set_full_grad(p, torch.ones_like(p))
         torch.testing.assert_close(safe_get_full_grad(p), torch.ones_like(p))
         engine.step()
+        inner = engine.optimizer.optimizer
+        assert all(int(inner.state[q]["step"]) == 1 for q in engine.module.parameters())
+        assert len(engine.optimizer.single_partition_of_fp32_groups) == 1
         exp_avg = safe_get_full_optimizer_state(p, "exp_avg")
         # Adam's first moment after one step is (1 - beta1) * grad.
         torch.testing.assert_close(exp_avg, 0.1 * torch.ones_like(p))
@@ -290,3 +293,52 @@ def shared_tmp(tmp_path_factory):
 @pytest.mark.parametrize("check", CHECKS)
 def test_zero12_surface(check, shared_tmp):
     JOB.assert_passed(check, 2, shared_tmp)
+
+
+# --------------------------------------------------------------------------- imports (no ranks)
+
+
+def test_modules_deepspeeds_tests_import_import_and_refuse_at_use():
+    import evenzero.deepspeed.git_version_info as info
+    import evenzero.deepspeed.ops as ops
+    from evenzero.deepspeed.ops.aio import AsyncIOBuilder
+    from evenzero.deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder, FusedLambBuilder
+    from evenzero.deepspeed.pipe import LayerSpec, PipelineModule
+    from evenzero.deepspeed.refusals import UnsupportedError
+    from evenzero.deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from evenzero.deepspeed.runtime.zero import ZeroParamStatus
+    from evenzero.deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from evenzero.deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from evenzero.deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from evenzero.deepspeed.runtime.zero.utils import ZeRORuntimeException
+    from evenzero.deepspeed.utils.torch import required_torch_version
+
+    assert info.version == "0.19.8" and info.torch_info["version"] == "0.0"
+    assert ops.__compatible_ops__[FusedAdamBuilder.NAME] and ops.__compatible_ops__["cpu_adam"]
+    assert not ops.__compatible_ops__[FusedLambBuilder.NAME]
+    assert not ops.__compatible_ops__[AsyncIOBuilder.NAME]
+    assert CPUAdamBuilder().is_compatible()
+    for refused in (lambda: FusedLambBuilder().load(), lambda: PipelineModule(layers=[]),
+                    lambda: LayerSpec(torch.nn.Linear, 2, 2), lambda: BF16_Optimizer(),
+                    lambda: DeepSpeedZeroOptimizer_Stage3(), lambda: DeepSpeedZeroConfig(stage=3),
+                    lambda: DeepSpeedZeroConfig(stage=2, offload_optimizer={"device": "cpu"})):
+        with pytest.raises(UnsupportedError):
+            refused()
+    cfg = DeepSpeedZeroConfig.from_dict({"stage": 2, "overlap_comm": True,
+                                         "stage3_max_live_parameters": 1})
+    assert cfg.stage == 2 and cfg.overlap_comm and cfg.reduce_bucket_size == 500_000_000
+    assert ZeroParamStatus.AVAILABLE.value == 1 and issubclass(ZeRORuntimeException, Exception)
+    assert DeepSpeedZeroOptimizer.__name__ == "EngineOptimizer"
+    assert required_torch_version(min_version=1.8)
+    assert not required_torch_version(max_version=1.0)
+
+
+def test_z3_leaf_marks_are_deepspeeds_attribute():
+    from evenzero.deepspeed.utils import get_z3_leaf_modules, set_z3_leaf_modules
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1))
+    marked = set_z3_leaf_modules(model, [torch.nn.Linear])
+    assert marked == [model[0], model[2]] == get_z3_leaf_modules(model)
+    assert set_z3_leaf_modules(model, ["ReLU"]) == [model[1]]
+    with pytest.raises(ValueError, match="No modules of type"):
+        set_z3_leaf_modules(model, [torch.nn.Conv1d])
