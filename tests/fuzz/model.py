@@ -9,11 +9,15 @@ from .case import Block, ModelDraw, out_width
 
 
 class Scale(nn.Module):
-    """A 1-D parameter multiplying the features."""
+    """A 1-D parameter multiplying the features. (Read in its own forward: with
+    overlap_param_gather evenzero refuses, by name, a parameter read by a parent's forward.)"""
 
     def __init__(self, width: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(width))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.weight - h
 
 
 class Zero(nn.Module):
@@ -22,6 +26,9 @@ class Zero(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(0))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * 0 + self.weight.sum()
 
 
 class FuzzNet(nn.Module):
@@ -74,10 +81,6 @@ class FuzzNet(nn.Module):
                 y = torch.tanh(m(h))
             elif b.kind == "conv":
                 y = m(h.unsqueeze(1)).mean(1)
-            elif b.kind == "scale":
-                y = h * m.weight - h
-            elif b.kind == "zero":
-                y = h * 0 + m.weight.sum()
             elif b.kind == "shared":
                 y = torch.tanh(self.blocks[b.shares](h))
             else:
