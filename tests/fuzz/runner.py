@@ -38,7 +38,7 @@ from .case import Case, Step
 from .model import FuzzNet, block_params
 
 FP32_RTOL = 1e-6
-BF16_FLOOR = 2.0 ** -7
+BF16_FLOOR = 2.0 ** -6
 BF16_FACTOR = 4.0
 
 OPTIMIZERS = {
@@ -211,36 +211,62 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 
 class Tolerance:
-    """How far evenzero may be from the reference: fp32 a fixed relative bound; bf16 what
-    a second DDP (another bucket size) differs from the first by, times a factor."""
+    """How far evenzero may be from the reference, judged over all parameters of one kind
+    together (the flat vector of parameters, of masters, of each optimizer state): fp32
+    within `FP32_RTOL` of the vector's largest magnitude; bf16 within `BF16_FACTOR` times
+    how far the fp32 twin is from the bf16 DDP, with a floor of a few bf16 roundings.
+
+    Disagreements are recorded, not raised, so that every rank reaches the same collective
+    (`settle`); the first one is the case's verdict."""
 
     def __init__(self, precision: str) -> None:
         self.precision = precision
+        self.first: str | None = None
 
-    def check(self, what: str, got: torch.Tensor, want: torch.Tensor,
-              twin: torch.Tensor | None = None) -> None:
-        diff, scale = _diff(got, want)
+    def fail(self, message: str) -> None:
+        if self.first is None:
+            self.first = message
+
+    def check(self, what: str, items: list[tuple[str, Any, Any, Any]]) -> None:
+        """`items`: (name, evenzero's tensor, DDP's, the fp32 twin's or None)."""
+        diffs = [(_diff(g, w)[0], n, w) for n, g, w, _ in items]
+        if any(math.isinf(d) for d, _, _ in diffs):
+            bad = next(n for d, n, _ in diffs if math.isinf(d))
+            return self.fail(f"{what} {bad}: shapes differ")
+        scale = max((_diff(g, w)[1] for _, g, w, _ in items), default=0.0)
         allowed = FP32_RTOL
-        if self.precision == "bf16" and twin is not None:
-            own = _diff(twin, want)[0] / scale if scale else 0.0
-            allowed = max(BF16_FLOOR, BF16_FACTOR * own)
+        if self.precision == "bf16" and all(t is not None for *_, t in items):
+            own = max((_diff(t, w)[0] for _, _, w, t in items), default=0.0)
+            allowed = max(BF16_FLOOR, BF16_FACTOR * own / scale if scale else 0.0)
             # As close to the fp32 DDP as the bf16 DDP is passes too (a bf16 model with
             # reduce_dtype=fp32 is more exact than DDP's bf16 all-reduce).
-            diff = min(diff, _diff(got, twin)[0])
+            diffs = [(min(d, _diff(g, t)[0]), n, w)
+                     for (d, n, w), (_, g, _, t) in zip(diffs, items, strict=True)]
+        diff, name, want = max(diffs, key=lambda x: x[0], default=(0.0, "", None))
         if diff > allowed * scale:
-            raise Mismatch(f"{what}: max |evenzero - ddp| = {diff:.3g} > {allowed:.2g} x "
-                           f"{scale:.3g} (shape {tuple(want.shape)})")
+            self.fail(f"{what} {name}: max |evenzero - ddp| = {diff:.3g} > {allowed:.2g} x "
+                      f"{scale:.3g} (the largest magnitude of any {what}; shape "
+                      f"{tuple(want.shape)})")
+
+    def settle(self, world: int) -> None:
+        """Every rank learns every rank's first disagreement; raises Mismatch on all."""
+        firsts: list[Any] = [None] * world
+        dist.all_gather_object(firsts, self.first)
+        bad = [(r, m) for r, m in enumerate(firsts) if m is not None]
+        if bad:
+            r, m = bad[0]
+            raise Mismatch(f"{m} (rank {r}{', and others' if len(bad) > 1 else ''})")
 
 
 def _compare_state(tol: Tolerance, step: int, ez: Evenzero, refs: list[Reference]) -> None:
     from evenzero.checkpoint import consolidated_state_dict
 
     ref, twin = refs[0], refs[1] if len(refs) > 1 else None
-    for n, p in ez.net.named_parameters():
-        tol.check(f"step {step}: parameter {n}", p, ref.named[n], twin and twin.named[n])
+    tol.check(f"step {step}: parameter", [
+        (n, p, ref.named[n], twin and twin.named[n]) for n, p in ez.net.named_parameters()])
     _, optim, masters = consolidated_state_dict(ez.opt)
-    for n, m in masters.items():
-        tol.check(f"step {step}: master {n}", m, ref.masters[n], twin and twin.masters[n])
+    tol.check(f"step {step}: master", [
+        (n, m, ref.masters[n], twin and twin.masters[n]) for n, m in masters.items()])
     # An empty parameter has nothing to step; torch keeps a step count for it, evenzero
     # does not manage it at all.
     empty = {n for n, p in ref.named.items() if p.numel() == 0}
@@ -248,21 +274,23 @@ def _compare_state(tol: Tolerance, step: int, ez: Evenzero, refs: list[Reference
     twin_state = twin.state() if twin else {}
     got = {n: s for n, s in optim["state"].items() if s}
     if set(got) != set(want):
-        raise Mismatch(f"step {step}: optimizer state held for {sorted(got)}, DDP's optimizer "
-                       f"for {sorted(want)}")
+        return tol.fail(f"step {step}: optimizer state held for {sorted(got)}, DDP's "
+                        f"optimizer for {sorted(want)}")
+    kinds: dict[str, list] = {}
     for n, s in want.items():
         for k, v in s.items():
+            g = got[n].get(k)
             if v is None:
                 continue
-            g = got[n].get(k)
             if g is None:
-                raise Mismatch(f"step {step}: optimizer state {n}.{k} missing")
+                return tol.fail(f"step {step}: optimizer state {n}.{k} missing")
             if k == "step":
                 if float(g) != float(v):
-                    raise Mismatch(f"step {step}: {n}.step {float(g)} != {float(v)}")
+                    return tol.fail(f"step {step}: {n}.step {float(g)} != {float(v)}")
             else:
-                tol.check(f"step {step}: optimizer state {n}.{k}", g, v,
-                          twin_state.get(n, {}).get(k))
+                kinds.setdefault(k, []).append((n, g, v, twin_state.get(n, {}).get(k)))
+    for k, items in kinds.items():
+        tol.check(f"step {step}: optimizer state {k}", items)
 
 
 # --------------------------------------------------------------------------------- run
@@ -281,6 +309,11 @@ def _write(net: FuzzNet, blocks: tuple[int, ...], step: int) -> list[nn.Paramete
         for p in params:
             p.data.mul_(0.5).add_(0.01 * (step + 1))
     return params
+
+
+def _pair(values: list) -> tuple[Any, Any]:
+    """(DDP's value, the fp32 twin's or None)."""
+    return values[0], values[1] if len(values) > 1 else None
 
 
 def train(case: Case, rank: int, world: int, expert_groups, workdir: str) -> None:
@@ -330,21 +363,24 @@ def train(case: Case, rank: int, world: int, expert_groups, workdir: str) -> Non
                 with ez.opt.no_sync() if quiet else nullcontext():
                     got = _loss(ez.net, x, y, skip, scale)
                     got.backward()
-                tol.check(f"step {s} micro {m} backward {k}: loss", got, *want)
+                tol.check(f"step {s} micro {m} backward {k}:", [("loss", got, *_pair(want))])
         norm_of = st.clip if st.clip is not None else (math.inf if st.measure_norm else None)
         if norm_of is not None:
             want = [torch.nn.utils.clip_grad_norm_(r.masters_with_grads(), norm_of) for r in refs]
-            tol.check(f"step {s}: gradient norm", ez.opt.clip_grad_norm_(norm_of), *want)
+            got = ez.opt.clip_grad_norm_(norm_of)
+            tol.check(f"step {s}:", [("gradient norm", got, *_pair(want))])
         for r in refs:
             r.step()
         ez.opt.step()
         if not case.engine.overlap_param_gather:
             _compare_state(tol, s, ez, refs)
+        tol.settle(world)
         for r in refs:
             r.zero_grad(st.set_to_none)
         ez.opt.zero_grad(set_to_none=st.set_to_none)
     ez.opt.wait_for_params()
     _compare_state(tol, len(case.steps) - 1, ez, refs)
+    tol.settle(world)
     ez.opt.close()
 
 
