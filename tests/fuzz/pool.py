@@ -100,3 +100,21 @@ def run_cases(cases: Sequence[Case], world: int, per_case_timeout: float = 120.0
         elif len(results) < len(cases) and results[-1]["status"] != "hang":
             results.append({"status": "hang", "detail": "the ranks stopped after this case"})
     return results
+
+
+def first_failing(cases: Sequence[Case], world: int, fails, per_case_timeout: float = 120.0
+                  ) -> int | None:
+    """The index of the first case whose result `fails(result)`, stopping the ranks there;
+    a case that hangs counts as its result {"status": "hang"}."""
+    done = 0
+    while done < len(cases):
+        start = done
+        for i, res in _run_batch(cases[start:], world, per_case_timeout):
+            if fails(res):
+                return start + i
+            done = start + i + 1
+        if done == start:  # no result: the first case hung
+            if fails({"status": "hang", "detail": ""}):
+                return start
+            done += 1
+    return None

@@ -48,6 +48,7 @@ OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {}),
 }
 DTYPES = {None: None, "fp32": "float32", "bf16": "bfloat16"}
+FAULT_DOUBLE_FIRST_BACKWARD = "fault: evenzero's side counts the first backward twice"
 
 
 class Mismatch(AssertionError):
@@ -373,8 +374,11 @@ def train(case: Case, rank: int, world: int, expert_groups, workdir: str,
                 for r in refs:
                     with r.ddp.no_sync() if quiet else nullcontext():
                         want.append(_backward(r.ddp, x, y, skip, scale))
+                # A planted bug (tests/test_fuzz.py shows the fuzzer catches it): evenzero's
+                # side counts the step's first backward twice.
+                doubled = FAULT_DOUBLE_FIRST_BACKWARD in case.notes and m == k == 0
                 with ez.opt.no_sync() if quiet else nullcontext():
-                    got = _backward(ez.net, x, y, skip, scale)
+                    got = _backward(ez.net, x, y, skip, scale * (2 if doubled else 1))
                 if not routed_bf16:
                     tol.check(f"step {s} micro {m} backward {k}:", [("output", got, *_pair(want))])
         norm_of = st.clip if st.clip is not None else (math.inf if st.measure_norm else None)
