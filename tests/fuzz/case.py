@@ -71,7 +71,8 @@ class Step:
     """Blocks whose parameters get a `p.data` write before this step."""
     reload: str = ""
     """Before this step: "" nothing, "state_dict" a state_dict() round trip into a new
-    optimizer, "checkpoint" a checkpoint save and load into an optimizer with `reshard`."""
+    optimizer, "checkpoint" a checkpoint save, loaded by each rank alone on a one-rank group
+    (W -> 1 reshard, compared bitwise) and into a new optimizer with `reshard`."""
     reshard: tuple[tuple[str, Any], ...] = ()
     """For "checkpoint": the config fields the new optimizer changes (stage, bucket_numel)."""
 

@@ -38,9 +38,13 @@ def _worker(rank: int, world: int, store: str, workdir: str, cases: list[dict], 
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
         experts = expert_parallel_groups(1)
+        solo = None
+        for r in range(world):  # every rank creates every group, in the same order
+            group = dist.new_group([r])
+            solo = group if r == rank else solo
         for i, d in enumerate(cases):
             case = from_dict(d)
-            result = run_case(case, rank, world, experts, os.path.join(workdir, f"c{i}"))
+            result = run_case(case, rank, world, experts, os.path.join(workdir, f"c{i}"), solo)
             try:
                 merged = agree(result, world)
             except Exception as e:  # noqa: BLE001 - the ranks no longer meet: a hang
@@ -56,6 +60,9 @@ def _worker(rank: int, world: int, store: str, workdir: str, cases: list[dict], 
 
 
 def _run_batch(cases: Sequence[Case], world: int, timeout: float) -> Iterator[tuple[int, dict]]:
+    # DDP's "find_unused_parameters=True ... did not find any unused parameters" notice
+    # would be printed by every rank for many cases: the children log errors only.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="evenzero-fuzz-")

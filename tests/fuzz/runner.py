@@ -147,8 +147,10 @@ class Reference:
 class Evenzero:
     """The evenzero side: the model and its ZeroOptimizer (rebuilt by reloads)."""
 
-    def __init__(self, case: Case, net: FuzzNet, expert_groups, overrides=None) -> None:
+    def __init__(self, case: Case, net: FuzzNet, expert_groups, overrides=None,
+                 process_group=None) -> None:
         self.case, self.net, self.expert_groups = case, net, expert_groups
+        self.process_group = process_group
         self.opt = self._build(overrides or {})
 
     def _build(self, overrides: dict[str, Any]):
@@ -182,12 +184,15 @@ class Evenzero:
         try:
             return ZeroOptimizer(self.net, cls, groups, lr=self.case.lr,
                                  weight_decay=self.case.weight_decay,
+                                 process_group=self.process_group,
                                  expert_groups=expert_groups, **kw, **engine)
         finally:
             for p in frozen:
                 p.requires_grad_(False)
 
-    def reload(self, step: Step, directory: str) -> None:
+    def reload(self, step: Step, directory: str, solo: Any) -> None:
+        """state_dict round trip, or a checkpoint saved at W ranks, loaded at 1 rank (each
+        rank alone, compared bitwise) and into a new optimizer with another layout."""
         import evenzero.checkpoint as ckpt
 
         if step.reload == "state_dict":
@@ -195,11 +200,49 @@ class Evenzero:
             self.opt.close()
             self.opt = self._build({})
             self.opt.load_state_dict(sd)
-        else:
-            ckpt.save(self.opt, directory)
-            self.opt.close()
-            self.opt = self._build(dict(step.reshard))
-            ckpt.load(self.opt, directory)
+            return None
+        ckpt.save(self.opt, directory)
+        problem = self._load_alone(directory, solo) if solo is not None else None
+        self.opt.close()
+        self.opt = self._build(dict(step.reshard))
+        ckpt.load(self.opt, directory)
+        return problem
+
+    def _load_alone(self, directory: str, solo: Any) -> str | None:
+        """Load the W-rank checkpoint on this rank's own one-rank group and compare the
+        consolidated masters and optimizer state with the running optimizer's, bitwise."""
+        import evenzero.checkpoint as ckpt
+        from evenzero.checkpoint import consolidated_state_dict
+        from evenzero.moe import ExpertGroups
+
+        _, want_state, want_masters = consolidated_state_dict(self.opt)
+        experts = solo_experts = None
+        if self.expert_groups:
+            (name, _), = self.expert_groups.items()
+            solo_experts = ExpertGroups(solo, solo, 0, 0, 1)
+            experts = {name: solo}
+        torch.manual_seed(self.case.seed + 1)  # other weights: a load that does nothing shows
+        net = FuzzNet(self.case.model, solo_experts)
+        for p, q in zip(net.parameters(), self.net.parameters(), strict=True):
+            p.requires_grad_(q.requires_grad)
+        alone = Evenzero(self.case, net, experts, process_group=solo)
+        try:
+            ckpt.load(alone.opt, directory)
+            _, state, masters = consolidated_state_dict(alone.opt)
+        finally:
+            alone.opt.close()
+        for n, m in want_masters.items():
+            if not torch.equal(masters.get(n, torch.empty(0)), m):
+                return f"master {n} differs after loading the {dist.get_world_size()}-rank checkpoint on 1 rank"
+        for n, st in want_state["state"].items():
+            for k, v in st.items():
+                w = state["state"].get(n, {}).get(k)
+                same = (torch.equal(torch.as_tensor(w), torch.as_tensor(v)) if w is not None
+                        else v is None)
+                if not same:
+                    return (f"optimizer state {n}.{k} differs after loading the "
+                            f"{dist.get_world_size()}-rank checkpoint on 1 rank")
+        return None
 
 
 # ------------------------------------------------------------------------------ compare
@@ -329,7 +372,7 @@ def _pair(values: list) -> tuple[Any, Any]:
 
 
 def train(case: Case, rank: int, world: int, expert_groups, workdir: str,
-          tol: Tolerance | None = None) -> None:
+          tol: Tolerance | None = None, solo: Any = None) -> None:
     """Train the case under DDP and evenzero side by side; raises Mismatch."""
     torch.manual_seed(case.seed)
     bf16_reduce = case.engine.reduce_dtype == "bf16"
@@ -353,7 +396,9 @@ def train(case: Case, rank: int, world: int, expert_groups, workdir: str,
     nets = [r.net for r in refs] + [ez.net]
     for s, st in enumerate(case.steps):
         if st.reload:
-            ez.reload(st, os.path.join(workdir, f"s{s}"))
+            problem = ez.reload(st, os.path.join(workdir, f"s{s}"), solo)
+            if problem:
+                tol.fail(f"step {s}: {problem}")
             for r in refs:
                 r.opt.load_state_dict(copy.deepcopy(r.opt.state_dict()))
         if st.write or st.freeze:
@@ -401,11 +446,13 @@ def train(case: Case, rank: int, world: int, expert_groups, workdir: str,
     ez.opt.close()
 
 
-def run_case(case: Case, rank: int, world: int, expert_groups, workdir: str) -> dict[str, Any]:
-    """One case on this rank: {"status": "ok" | "mismatch" | "error", "detail": str}."""
+def run_case(case: Case, rank: int, world: int, expert_groups, workdir: str,
+             solo: Any = None) -> dict[str, Any]:
+    """One case on this rank: {"status": "ok" | "mismatch" | "error", "detail": str}.
+    `solo`: this rank's own one-rank process group (checkpoints are also loaded there)."""
     tol = Tolerance(case.precision)
     try:
-        train(case, rank, world, expert_groups, workdir, tol)
+        train(case, rank, world, expert_groups, workdir, tol, solo)
         return {"status": "ok", "detail": "", "worst": tol.worst}
     except Mismatch as e:
         return {"status": "mismatch", "detail": str(e), "worst": tol.worst}
