@@ -14,6 +14,7 @@ from fuzz.case import (
     EngineDraw,
     ModelDraw,
     Step,
+    coverage_sample,
     draw_case,
     features,
     from_dict,
@@ -37,7 +38,8 @@ REGRESSIONS = {
         seed=41, model=ModelDraw(3, (Block("linear", 3, fp32=True), Block("zero", 0)), 2, "mixed"),
         steps=(Step(micro=((Backward(),),)),), engine=EngineDraw(stage=1, bucket_numel=16)),
 }
-SAMPLE_SEEDS = {2: range(1000, 1012), 3: range(2000, 2008)}
+# Chosen from these seeds to cover every feature `features()` names (all 42 of them).
+SAMPLES = {2: (range(1000, 1400), 8), 3: (range(2000, 2400), 5)}
 
 
 def _assert_all_ok(cases, results) -> None:
@@ -49,7 +51,8 @@ def _assert_all_ok(cases, results) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_fixed_seed_sample_and_regressions_match_ddp(world):
     planted = dataclasses.replace(draw_case(7), notes=(FAULT_DOUBLE_FIRST_BACKWARD,))
-    cases = [*REGRESSIONS.values(), *(draw_case(s) for s in SAMPLE_SEEDS[world])]
+    seeds, n = SAMPLES[world]
+    cases = [*REGRESSIONS.values(), *coverage_sample(seeds, n)]
     results = run_cases([*cases, planted], world)
     _assert_all_ok(cases, results[:-1])
     # The same comparison catches a planted double-counted backward.
@@ -76,6 +79,8 @@ def test_cases_are_drawn_from_the_seed_and_round_trip():
               "reduce_dtype:bf16", "impl:fused", "overlap_param_gather", "stage1", "stage2",
               "size:>=10k"}
     assert wanted <= seen, wanted - seen
+    for seeds, n in SAMPLES.values():
+        assert {f for c in coverage_sample(seeds, n) for f in features(c)} == seen
 
 
 def test_shrinking_keeps_the_failure_and_reaches_a_small_case():

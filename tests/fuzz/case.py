@@ -307,3 +307,21 @@ def features(case: Case) -> list[str]:
     if any(set(a.freeze) - set(b.freeze) for a, b in zip(case.steps, case.steps[1:], strict=False)):
         f.add("unfreeze")
     return sorted(f)
+
+
+def coverage_sample(seeds: range, n: int) -> list[Case]:
+    """`n` cases from `seeds` chosen greedily to cover the most features, smaller models and
+    fewer backwards first among equals: a short fixed sample that still touches every habit."""
+    pool = [draw_case(s) for s in seeds]
+    covered: set[str] = set()
+    chosen: list[Case] = []
+
+    def cost(c: Case) -> int:
+        return param_count(c.model) // 2000 + sum(len(mb) for s in c.steps for mb in s.micro)
+
+    for _ in range(n):
+        best = max(pool, key=lambda c: (len(set(features(c)) - covered), -cost(c)))
+        chosen.append(best)
+        covered |= set(features(best))
+        pool.remove(best)
+    return chosen
