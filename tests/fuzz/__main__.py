@@ -38,7 +38,11 @@ def search(cases: list[Case], world: int, batch: int, log) -> list[dict]:
     for start in range(0, len(cases), batch):
         chunk = cases[start:start + batch]
         t = time.monotonic()
-        results += run_cases(chunk, world)
+        got = run_cases(chunk, world)
+        for c, r in zip(chunk, got, strict=True):
+            if r["status"] != "ok":
+                log(f"world {world} seed {c.seed}: {r['status']}: {r['detail'][:300]}")
+        results += got
         bad = sum(r["status"] != "ok" for r in results)
         log(f"world {world}: {len(results)}/{len(cases)} cases ({time.monotonic() - t:.0f} s for "
             f"the last {len(chunk)}), {bad} not ok")
