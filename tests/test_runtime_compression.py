@@ -70,6 +70,28 @@ def test_int8_zero_block_and_non_finite_blocks():
     assert torch.isfinite(chunks[1][:64]).all() and torch.isnan(chunks[1][64:128]).all()
 
 
+def test_int8_subnormal_blocks_send_zeros_not_nan():
+    """A block of subnormal values (QMAX / absmax overflows fp32) decodes to zeros."""
+    x = torch.zeros(2 * 64)
+    x[:32] = 1e-40  # the rest of the block is 0: 0 x inf was NaN
+    x[3] = -7e-41
+    chunks = _exchange("int8", [x, x.clone()], block=64)
+    assert all(torch.isfinite(c).all() for c in chunks)
+
+
+def test_int8_error_feedback_of_a_parameter_whose_gradient_stops_stays_finite():
+    """Regression (found by the 2,000-step convergence run: int8 + error feedback turned
+    the seed model's loss NaN at step 15): once a parameter's gradient is 0 every step,
+    its residual is re-encoded and shrinks by ~254x a step into the subnormals."""
+    g = torch.Generator().manual_seed(1)
+    residuals = [torch.zeros(2 * 64) for _ in range(2)]
+    _exchange("int8", [torch.randn(2 * 64, generator=g) for _ in range(2)], residuals)
+    for _ in range(40):
+        chunks = _exchange("int8", [torch.zeros(2 * 64) for _ in range(2)], residuals)
+        assert all(torch.isfinite(c).all() for c in chunks)
+        assert all(torch.isfinite(r).all() for r in residuals)
+
+
 def test_config_refusals_name_the_setting():
     with pytest.raises(ZeroConfigError, match="grad_compression_error_feedback"):
         ZeroConfig(grad_compression_error_feedback=True)

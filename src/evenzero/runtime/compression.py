@@ -155,8 +155,13 @@ class CompressedReduceScatter:
         blocks = source.view(-1, self.block)
         amax = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=1)
         # A block of zeros has scale 0 and sends zeros; a non-finite absmax gives a
-        # non-finite scale (decoded as NaN) and values 0.
-        inverse = torch.where(amax > 0, QMAX / amax, 0.0)
+        # non-finite scale (decoded as NaN) and values 0. A block so small that QMAX /
+        # absmax overflows fp32 (subnormal values) sends zeros too: else inf x 0 is NaN.
+        # Error feedback drives such blocks there: a parameter whose gradient stays 0 (an
+        # expert no token reached) re-encodes its residual, which shrinks ~254x per step
+        # and reaches the subnormals in about 15 steps.
+        inverse = QMAX / amax
+        inverse = torch.where(torch.isinf(inverse), 0.0, inverse)
         scales.copy_(amax.div_(QMAX).view(group_size, -1))
         values = buffers.scratch.view(-1, self.block)
         torch.mul(blocks, inverse.unsqueeze(1), out=values)
