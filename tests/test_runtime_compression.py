@@ -75,8 +75,10 @@ def test_int8_subnormal_blocks_send_zeros_not_nan():
     x = torch.zeros(2 * 64)
     x[:32] = 1e-40  # the rest of the block is 0: 0 x inf was NaN
     x[3] = -7e-41
-    chunks = _exchange("int8", [x, x.clone()], block=64)
+    residuals = [torch.zeros(2 * 64) for _ in range(2)]
+    chunks = _exchange("int8", [x, x.clone()], residuals, block=64)
     assert all(torch.isfinite(c).all() for c in chunks)
+    assert all(torch.isfinite(r).all() for r in residuals)  # was NaN: 0 x inf
 
 
 def test_int8_error_feedback_of_a_parameter_whose_gradient_stops_stays_finite():
