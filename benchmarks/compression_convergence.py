@@ -119,7 +119,20 @@ def main(argv: list[str] | None = None) -> int:
                         "different subsets compare step for step)")
     p.add_argument("--partial", type=Path,
                    help="rank 0 rewrites the losses so far here every 100 steps")
+    p.add_argument("--from-json", type=Path, nargs="+", metavar="FILE",
+                   help="run nothing: tabulate and plot the losses of --json/--partial files "
+                        "(a mode in a later file replaces it from an earlier one), at the "
+                        "steps every mode reached")
     args = p.parse_args(argv)
+    if args.from_json:
+        losses: dict[str, list[float]] = {}
+        for f in args.from_json:
+            losses.update(json.loads(f.read_text())["losses"])
+        matched = min(len(v) for v in losses.values())
+        report = {"losses": {n: v[:matched] for n, v in losses.items()}, "seconds": {},
+                  "notes": {}}
+        args.steps = matched
+        return _summarise(args, argv, report, None)
     import llama_dense
 
     from evenzero.repro.seedmodel import SeedModelConfig
@@ -131,18 +144,21 @@ def main(argv: list[str] | None = None) -> int:
                "modes": list(args.modes)}
     t0 = time.perf_counter()
     report = launch(worker, payload, LaunchOptions(args.world_size, "gloo", timeout_s=6 * 3600))
-    wall = time.perf_counter() - t0
+    return _summarise(args, argv, report, time.perf_counter() - t0)
+
+
+def _summarise(args, argv, report: dict, wall: float | None) -> int:
     losses = report["losses"]
     tail = max(1, args.steps // 10)
     final = {n: sum(v[-tail:]) / tail for n, v in losses.items()}
     print(f"{args.model}, {args.world_size} gloo ranks, {args.steps} steps, AdamW, clip 1.0 "
-          f"({wall:.0f} s)")
+          f"({'from files' if wall is None else f'{wall:.0f} s'})")
     print("\n| mode | final loss (mean of last 10%) | vs exact | seconds in its steps |")
     print("|---|---:|---:|---:|")
     for n, v in final.items():
         versus = f"{(v - final['exact']) / final['exact']:+.2%}" if "exact" in final else "-"
-        print(f"| {n} | {v:.5f} | {versus} | "
-              f"{report['seconds'][n]:.0f} |")
+        spent = report["seconds"].get(n)
+        print(f"| {n} | {v:.5f} | {versus} | {'-' if spent is None else f'{spent:.0f}'} |")
     for n, notes in report["notes"].items():
         for note in notes:
             print(f"{n}: {note}")
