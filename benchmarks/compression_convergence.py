@@ -92,6 +92,11 @@ def worker(ctx, payload: dict) -> dict:
             losses[name].append(float(value) / ctx.world_size)
         if step % 50 == 0:
             ctx.emit(("step", step))
+        if payload["partial"] and ctx.rank == 0 and (step + 1) % 100 == 0:
+            # A 2,000-step run takes hours on a shared machine: keep what it has so far, so
+            # that a killed run still leaves its curves.
+            Path(payload["partial"]).write_text(json.dumps({"steps_done": step + 1,
+                                                            "losses": losses}))
     notes = {name: [n for n in opt.plan.notes if "grad_compression" in n]
              for name, (_, opt) in runs.items()}
     return {"losses": losses, "seconds": seconds, "notes": notes}
@@ -107,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="toy model sizes (checks the script)")
     p.add_argument("--plot", type=Path)
     p.add_argument("--json", type=Path)
+    p.add_argument("--partial", type=Path,
+                   help="rank 0 rewrites the losses so far here every 100 steps")
     args = p.parse_args(argv)
     import llama_dense
 
@@ -115,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     seed = SeedModelConfig(dim=64 if args.tiny else 1000, ep_size=2)
     llama = llama_dense.TINY if args.tiny else llama_dense.LlamaConfig()
     payload = {"model": args.model, "steps": args.steps, "seed": asdict(seed),
-               "llama": asdict(llama)}
+               "llama": asdict(llama), "partial": str(args.partial) if args.partial else ""}
     t0 = time.perf_counter()
     report = launch(worker, payload, LaunchOptions(args.world_size, "gloo", timeout_s=6 * 3600))
     wall = time.perf_counter() - t0

@@ -77,10 +77,17 @@ def case_worker(ctx, payload: dict) -> dict:
     measured = model.measured_profile()
     evenzero = EvenzeroSystem("evenzero", model.build(), model.loss, bucket_numel=choice.numel,
                               expert_groups=model.expert_groups())
+    # Issue 27: each compression mode is one more system, with the same bucket size, in the
+    # same interleaved steps; its own executed plan carries the compressed collectives.
+    compressed = [EvenzeroSystem(f"evenzero-{mode}", model.build(), model.loss,
+                                 bucket_numel=choice.numel, expert_groups=model.expert_groups(),
+                                 extra=settings)
+                  for mode, settings in COMPRESSION_MODES.items()
+                  if mode in payload.get("compression", ())]
     ddp = model.ddp()
     dist.barrier()
     results = run_interleaved(
-        [evenzero, ddp], model.batch,
+        [evenzero, *compressed, ddp], model.batch,
         InterleaveOptions(payload["steps"], payload["warmup"], ctx.device),
         on_step=lambda name, step: ctx.emit((name, step)))
     phases = {r.name: {**{ph: statistics.median(r.phase_ms[ph]) for ph in PHASES[:-1]},
@@ -92,7 +99,11 @@ def case_worker(ctx, payload: dict) -> dict:
     flops = estimate_profile(spec, cost.compute)
     ddp_plan = plan(spec, ctx.world_size, "ddp", PlanOptions())
     rows = []
-    for name, p in (("evenzero", executed), ("ddp", ddp_plan)):
+    planned = [("evenzero", executed)]
+    for system in compressed:
+        p = system.optimizer.plan
+        planned.append((system.name, main_step(p) if payload["evenzero_step"] == "main" else p))
+    for name, p in (*planned, ("ddp", ddp_plan)):
         by_flops, by_time = simulate(p, cost, flops), simulate(p, cost, measured)
         rows.append({"system": name, "measured_ms": phases[name],
                      "predicted_flops_ms": _phases_ms(by_flops),
@@ -109,6 +120,13 @@ def case_worker(ctx, payload: dict) -> dict:
                                  "flops_backward_ms": flops.backward_s * 1e3,
                                  "flops_forward_ms": flops.forward_s * 1e3},
             "rows": rows}
+
+
+COMPRESSION_MODES = {
+    "bf16": {"grad_compression": "bf16"},
+    "int8": {"grad_compression": "int8"},
+    "int8-ef": {"grad_compression": "int8", "grad_compression_error_feedback": True},
+}
 
 
 def main_step(executed):
@@ -259,7 +277,7 @@ class _Case:
 
 
 def run(cases: list[str], steps: int, warmup: int, scale: str, evenzero_step: str,
-        json_path: Path | None = None) -> list[dict]:
+        json_path: Path | None = None, compression: tuple[str, ...] = ()) -> list[dict]:
     """Every case in turn; with `json_path`, the reports so far are written after each
     case, so a case that fails (a rank killed for memory, say) loses only itself."""
     out = []
@@ -267,7 +285,7 @@ def run(cases: list[str], steps: int, warmup: int, scale: str, evenzero_step: st
         kind, _, world = case.partition(":")
         print(f"case {case} ...", flush=True)
         payload = {"model": kind, "steps": steps, "warmup": warmup, "scale": scale,
-                   "evenzero_step": evenzero_step}
+                   "evenzero_step": evenzero_step, "compression": list(compression)}
         out.append(launch(case_worker, payload, LaunchOptions(int(world), "gloo", timeout_s=3600)))
         if json_path is not None:
             json_path.write_text(json.dumps(out, indent=1))
@@ -332,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--evenzero-step", choices=("plan", "main"), default="plan",
                    help="plan: predict evenzero's step as its plan says; main: as the runtime "
                         "ran it before issue 17's step work")
+    p.add_argument("--compression", nargs="*", choices=sorted(COMPRESSION_MODES), default=[],
+                   help="also train and predict evenzero with these grad_compression modes "
+                        "(issue 27), interleaved with the others")
     p.add_argument("--json", type=Path, help="write every figure here (after each case)")
     p.add_argument("--from-json", type=Path, nargs="+", metavar="FILE",
                    help="print the tables of reports written by --json, running nothing")
@@ -348,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"and W >= 2")
         if kind == "seed" and int(world) % 4:
             p.error(f"--cases: {case!r}: the seed model needs a multiple of 4 ranks")
-    reports = run(args.cases, args.steps, args.warmup, args.scale, args.evenzero_step, args.json)
+    reports = run(args.cases, args.steps, args.warmup, args.scale, args.evenzero_step, args.json,
+                  tuple(args.compression))
     command = "python benchmarks/predict_vs_measured.py " + " ".join(
         argv if argv is not None else sys.argv[1:])
     sys.stdout.write(markdown(reports, command.strip()))

@@ -157,6 +157,10 @@ EPOCHS = 3
 # Cases that hand `training_data` to initialize (DeepSpeed's loader forks two workers per
 # epoch, which is slow); the others build their own DistributedSampler loader, as many
 # DeepSpeed scripts do.
+# DeepSpeed's Muon (type "Muon"): Muon on fc1/fc2 weights (use_muon), its Adam on the rest.
+CASES["zero2_muon"] = _base(2, optimizer={"type": "Muon", "params": {
+    "lr": 0.02, "weight_decay": 0.01, "adam_lr": 5e-3}})
+
 TRAINING_DATA_CASES = ("zero2_adam",)
 
 

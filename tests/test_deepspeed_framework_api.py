@@ -82,7 +82,7 @@ def refusal_job(rank: int, world: int) -> dict:
 
     out = {}
     cases = {
-        "offload": {**CONFIG, "zero_optimization": {"stage": 2, "offload_optimizer":
+        "offload": {**CONFIG, "zero_optimization": {"stage": 2, "offload_param":
                                                     {"device": "cpu"}}},
         "stage3": {**CONFIG, "zero_optimization": {"stage": 3}},
         "tensor_parallel": {**CONFIG, "tensor_parallel": {"autotp_size": 2}},
@@ -108,7 +108,7 @@ def refusal_job(rank: int, world: int) -> dict:
 def test_unsupported_features_are_refused_by_name_on_every_rank():
     results = run_distributed(refusal_job, 2, timeout=300)
     for r in results:
-        assert "offload_optimizer" in r["offload"]
+        assert "offload_param" in r["offload"]
         assert "zero_optimization.stage" in r["stage3"]
         assert "tensor_parallel" in r["tensor_parallel"]
         assert "deepspeed.zero.Init" in r["zero.Init"] and "ZeRO stage 3" in r["zero.Init"]

@@ -60,7 +60,7 @@ def test_a_refused_key_under_torchrun_is_one_message_without_tracebacks(tmp_path
     refused = _lines(proc, "zero_optimization.offload_optimizer")
     assert len(refused) == 1, out
     assert refused[0].startswith("evenzero run: refused on ranks 0-1: config key "
-                                 "'zero_optimization.offload_optimizer'"), refused
+                                 "'zero_optimization.offload_optimizer.device' = 'nvme'"), refused
     assert "not supported" in refused[0]
     for noise in ("Traceback", "[rank0]", "[rank1]", "ChildFailedError", "DeepSpeedConfigError",
                   "initialized"):

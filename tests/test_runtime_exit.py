@@ -39,10 +39,10 @@ def assert_clean_two_agents(args) -> None:
 
 
 def test_readme_loop_exits_cleanly_under_torchrun():
-    # Before the fix the single-node loop aborted in about two runs of three, and every
-    # two-agent run failed, so a few runs of each catch a regression.
-    for args in ENDINGS[:2]:
-        assert_clean_single_node(args)
+    # Before the fix every two-agent run failed and the single-node loop aborted in about
+    # two runs of three: one of each catches a regression (the two-agent run for certain);
+    # the slow test below repeats them 20 times over every ending.
+    assert_clean_single_node(ENDINGS[1])
     assert_clean_two_agents(ENDINGS[0])
 
 

@@ -324,12 +324,16 @@ class MemoryModel:
     residual_numel: int = 0
     """Elements of error-feedback residual every rank holds (fp32, one per element of
     every compressed bucket, padding included); 0 without error feedback."""
+    momentum_only_numel: int = 0
+    """Elements of the busiest rank's shard whose optimizer keeps one state (Muon's
+    momentum) instead of Adam's two; 0 for an element-wise optimizer."""
     offloaded: bool = False
     """The masters, the gradient shard and the optimizer state live in host memory
     (`offload_optimizer="cpu"`): the device holds the parameters and the buckets only."""
 
     def __post_init__(self) -> None:
-        for name in ("buckets_in_flight", "master_itemsize", "residual_numel"):
+        for name in ("buckets_in_flight", "master_itemsize", "residual_numel",
+                     "momentum_only_numel"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise PlanError(f"{name} must be a non-negative integer, got {v!r}")
@@ -370,6 +374,9 @@ class StepWork:
     params: int = 0
     """Parameters the step's own Python work visits once each (presence, the user's
     writes, state), each charged `DeviceCompute.param_overhead_us`."""
+    matrix_flops: int = 0
+    """FLOPs of the whole-tensor updates (Muon's Newton-Schulz iterations) on the busiest
+    rank; 0 for an element-wise optimizer."""
     host_step: bool = False
     """The optimizer steps on the host (`offload_optimizer="cpu"`), priced by
     `DeviceCompute.host_step_seconds`."""
@@ -386,7 +393,7 @@ class StepWork:
         if self.norm not in (None, *NORMS):
             raise PlanError(f"norm {self.norm!r} is not one of {NORMS} or None")
         for name in ("optimizer_elements", "norm_elements", "copy_bytes", "params",
-                     "host_link_bytes", "host_link_backward_bytes"):
+                     "matrix_flops", "host_link_bytes", "host_link_backward_bytes"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise PlanError(f"{name} must be a non-negative integer, got {v!r}")

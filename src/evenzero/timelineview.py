@@ -27,7 +27,7 @@ CAPTION = ("predicted: backward runs until its last reduction is done; exposed c
            "(bookkeeping, norm, master copies, optimizer)")
 COMPUTE_COLOURS = {"forward": "#9ecae1", "backward": "#3182bd", "copy": "#fd8d3c",
                    "wait": "#fcbba1", "bookkeeping": "#bcbddc", "norm": "#74c476",
-                   "optimizer": "#31a354", "host link": "#e6550d"}
+                   "optimizer": "#31a354", "newton-schulz": "#006d2c", "host link": "#e6550d"}
 COMM_COLOURS = {"reduce_scatter": "#636363", "reduce": "#756bb1", "all_reduce": "#bdbdbd",
                 "all_gather": "#969696"}
 

@@ -38,6 +38,7 @@ from evenzero.spec import MAX_NUMEL, GroupSpec, ModelSpec
 from evenzero.spec_json import from_json
 from evenzero.strategies import STRATEGY_NAMES, PlanOptions, plan, strategy_names
 from evenzero.strategies.common import MAX_WORLD_SIZE
+from evenzero.strategies.wholetensor import muon_split
 from evenzero.wire import DEFAULT_BLOCK, MODES
 
 
@@ -66,6 +67,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--error-feedback", action="store_true",
                    help="with --grad-compression: plan the per-rank fp32 residual (memory) "
                         "and its compute")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="muon: torch.optim.Muon on the hidden matrices and AdamW on the rest "
+                        "(embeddings, head, norms, biases), each in a group of its own, as "
+                        "ZeroOptimizer runs them; evenzero lays the matrices out "
+                        "matrix-aligned and its notes give the padding and the "
+                        "Newton-Schulz balance")
     p.add_argument("--offload", action="store_true",
                    help="also say whether evenzero with offload_optimizer='cpu' fits where "
                         "plain ZeRO does not, and what it costs per step")
@@ -109,10 +116,16 @@ def main(args: argparse.Namespace) -> int:
         spec = spec.with_tokens(args.tokens)  # validated by ModelSpec
     names = strategies_from(args.strategy)
     model, why = cost_model_from(args)
+    whole: tuple[str, ...] = ()
+    if args.optimizer == "muon":
+        spec, whole = muon_split(spec)
+        if not whole:
+            raise PlanError(f"--optimizer muon: model {spec.name!r} has no hidden matrix "
+                            f"(2-D, not an embedding or head) for Muon to step")
     options = PlanOptions(bucket_numel=args.bucket_numel, round_robin=args.round_robin,
                           cost_model=model, grad_compression=args.grad_compression,
                           compression_block=args.compression_block,
-                          error_feedback=args.error_feedback)
+                          error_feedback=args.error_feedback, whole_tensor=whole)
     warning = model.extrapolation_warning(args.world_size)
     if warning:
         warning = f"{warning}; {calibrate_hint(args.world_size)}"

@@ -107,6 +107,8 @@ def estimate_memory(plan: Plan, bucket_numel: int | None = None) -> MemoryEstima
     aliased = set(model.aliased_groups)
     if plan.sharded:
         optimizer = sum(n * (state + (0 if g in aliased else master)) for g, n in shard.items())
+        # Muon keeps one momentum per matrix element where Adam keeps two moments.
+        optimizer -= model.momentum_only_numel * master
         held = [g.name for g in plan.groups if g.name not in aliased]
         if not held:
             what = "sharded Adam, master = the owned slice of the parameters"

@@ -63,8 +63,8 @@ class Segment:
     lane: str
     """COMPUTE or COMM."""
     kind: str
-    """forward, backward, copy, wait, bookkeeping, norm, optimizer; or the collective's op
-    on the comm lane."""
+    """forward, backward, copy, wait, bookkeeping, norm, optimizer, newton-schulz; or the
+    collective's op on the comm lane."""
     start: float
     """Seconds since the step began."""
     end: float
@@ -376,6 +376,9 @@ def simulate(plan: Plan, cost: CostModel, profile: ComputeProfile,
                                             work.optimizer_tensor_numels),
                       "optimizer", f"{impl} on {work.optimizer_elements:,} elements in "
                                    f"{work.optimizer_tensors:,} tensors")
+    if work.matrix_flops:
+        lanes.compute(dev.seconds(work.matrix_flops, 0.0), "newton-schulz",
+                      f"{work.matrix_flops / 1e9:,.2f} GFLOP of whole-matrix updates")
     if gathers:
         lanes.wait([lanes.launch(c) for c in gathers], "parameters gathered")
 

@@ -30,6 +30,9 @@ import torch
 class FusedAdam(torch.optim.Optimizer):
     """`deepspeed.ops.adam.FusedAdam`'s signature and CPU-kernel arithmetic."""
 
+    evenzero_update = "elementwise"
+    """Declared for `ZeroOptimizer` (it steps any flat shard), also where it steps a
+    group of its own (Muon's Adam half, `evenzero.deepspeed.muon`)."""
     keeps_state_with_params = True
     """Its state is made like the tensors it steps, so `offload_optimizer` may step it on
     the host (`evenzero.runtime.offload.host_steppable`)."""

@@ -15,7 +15,8 @@ FusedAdam`, which keeps the kernel's arithmetic (and FusedAdam's defaults, notab
 weight_decay 0.0); `amsgrad` is refused, as FusedAdam itself refuses it.
 
 Any other type is looked up in torch.optim (`SGD`, `Adagrad`, ...), as DeepSpeed does;
-LAMB, Lion, Muon, OneBit*, ... are DeepSpeed kernels evenzero does not have.
+`Muon` is DeepSpeed's Muon with its auxiliary Adam (`evenzero.deepspeed.muon`); LAMB,
+Lion, OneBit*, ... are DeepSpeed kernels evenzero does not have.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from evenzero.deepspeed.config import DeepSpeedConfigError, NamedSection
 from evenzero.deepspeed.fused_adam import DeepSpeedCPUAdam, FusedAdam
+from evenzero.deepspeed.muon import DeepSpeedMuon, halves
 
 # deepspeed/runtime/config.py@0.19.8:52-66: names DeepSpeed lower-cases.
 DEEPSPEED_OPTIMIZERS = ("adagrad", "adam", "adamw", "lamb", "muadam", "muadamw", "musgd",
@@ -46,6 +48,8 @@ class OptimizerChoice:
     kwargs: Mapping[str, Any]
     name: str
     """`optimizer.type` as DeepSpeed normalises it (used by `get_mom`)."""
+    muon_adam: tuple[Mapping[str, Any], bool] | None = None
+    """Muon: the Adam half's settings and `adam_w_mode` (`evenzero.deepspeed.muon`)."""
 
 
 def optimizer_from_config(section: NamedSection, offload: bool = False) -> OptimizerChoice:
@@ -66,6 +70,9 @@ def optimizer_from_config(section: NamedSection, offload: bool = False) -> Optim
             kwargs = {k: v for k, v in kwargs.items() if k not in ("adam_w_mode", "set_grad_none")}
             cls, kwargs = DeepSpeedCPUAdam, {**kwargs, "adamw_mode": _adam_w(name, section)}
         return OptimizerChoice(cls, kwargs, name)
+    if name == "muon":
+        muon, adam, adam_w_mode = halves(params)
+        return OptimizerChoice(DeepSpeedMuon, muon, name, (adam, adam_w_mode))
     if name in DEEPSPEED_OPTIMIZERS and name != "adagrad":
         raise DeepSpeedConfigError(f"config key 'optimizer.type' = {section.type!r}: DeepSpeed's "
                                    f"{name} optimizer is not supported by evenzero.deepspeed; use "

@@ -37,6 +37,7 @@ from evenzero.deepspeed.launch import default_backend, init_distributed, placeme
 from evenzero.deepspeed.log import info_rank0, warning_rank0
 from evenzero.deepspeed.loss_scaler import DeepSpeedLossScaler, ZeroScaleBridge
 from evenzero.deepspeed.moe import broadcast_parameters, deepspeed_moe_layers, expert_groups
+from evenzero.deepspeed.muon import split_groups
 from evenzero.deepspeed.optimizers import (
     OptimizerChoice,
     as_groups,
@@ -208,6 +209,10 @@ def _build_optimizer(model: torch.nn.Module, cfg: EngineConfig, client: Any, mod
         choice = optimizer_from_config(cfg.optimizer, cfg.zero.offload_optimizer is not None)
         params = model.parameters() if model_parameters is None else model_parameters
         param_groups = as_groups(params)
+        if choice.muon_adam is not None:
+            names = {id(p): n for n, p in model.named_parameters()}
+            param_groups = split_groups(param_groups, names, choice.muon_adam[1],
+                                        choice.muon_adam[0])
         if groups:
             param_groups = split_moe_groups(param_groups)
         name = choice.name

@@ -69,6 +69,10 @@ class ZeroConfig:
     """Growth and backoff of the dynamic loss scale."""
     elementwise: bool | None = None
     """True declares a custom optimizer elementwise (so it may step flat shards)."""
+    whole_tensor: tuple[str, ...] = ()
+    """Parameters whose inner optimizer updates whole tensors (Muon's matrices): filled in
+    by `ZeroOptimizer` from the groups' optimizers (`update_kind`), so that the plan lays
+    them out matrix-aligned; what is passed here is replaced."""
     allow_partial_grads: bool = False
     """True: a gradient produced on some ranks only counts as zero on the others (like
     DDP's find_unused_parameters). False: the step raises and names the parameter."""
@@ -217,17 +221,49 @@ class ZeroConfig:
         return frozenset(f.name for f in fields(cls))
 
 
-def check_elementwise(optimizer_class, declared: bool | None) -> None:
-    """Refuse optimizers whose update couples elements (they would be wrong on shards)."""
+ELEMENTWISE = "elementwise"
+"""An update of each element from that element's gradient and state alone (AdamW): steps
+any flat shard."""
+WHOLE_TENSOR = "whole_tensor"
+"""An update that needs each parameter's whole tensor (Muon): steps the parameters a rank
+owns whole, in a matrix-aligned layout (`evenzero.strategies.wholetensor`)."""
+UPDATE_ATTRIBUTE = "evenzero_update"
+"""Class attribute by which an optimizer declares its update: `ELEMENTWISE` or
+`WHOLE_TENSOR` (docs/muon.md)."""
+WHOLE_TENSOR_OPTIMIZERS = (torch.optim.Muon,)
+"""torch's optimizers whose update needs whole tensors (subclasses included)."""
+
+
+def update_kind(optimizer_class, declared: bool | None = None) -> str:
+    """`ELEMENTWISE` or `WHOLE_TENSOR` for `optimizer_class`: its `evenzero_update`
+    attribute, else `declared` (`ZeroConfig.elementwise`), else what torch's own classes
+    are; refuses a class it cannot tell, naming both ways to declare it."""
     if not isinstance(optimizer_class, type) or not issubclass(optimizer_class,
                                                                 torch.optim.Optimizer):
         raise ZeroConfigError(f"optimizer_class must be a torch.optim.Optimizer subclass such as "
                               f"torch.optim.AdamW, got {optimizer_class!r}")
+    name = optimizer_class.__name__
+    attr = getattr(optimizer_class, UPDATE_ATTRIBUTE, None)
+    if attr is not None:
+        if attr not in (ELEMENTWISE, WHOLE_TENSOR):
+            raise ZeroConfigError(f"{name}.{UPDATE_ATTRIBUTE} = {attr!r} is neither "
+                                  f"{ELEMENTWISE!r} nor {WHOLE_TENSOR!r}; set one of them")
+        return attr
     if declared is True or optimizer_class in ELEMENTWISE_OPTIMIZERS:
-        return
+        return ELEMENTWISE
+    if issubclass(optimizer_class, WHOLE_TENSOR_OPTIMIZERS):
+        return WHOLE_TENSOR
     names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
     raise ZeroConfigError(
-        f"{optimizer_class.__name__} is not a known elementwise optimizer: ZeroOptimizer steps "
+        f"{name} is not a known elementwise optimizer: ZeroOptimizer steps "
         f"each rank's flat 1/N shard on its own, which is only correct when every element's "
         f"update depends on that element alone ({names}). Use one of those, or pass "
-        f"elementwise=True if {optimizer_class.__name__} really is elementwise")
+        f"elementwise=True if {name} really is elementwise; an optimizer whose update needs "
+        f"each parameter whole (like torch.optim.Muon) declares it with "
+        f"{name}.{UPDATE_ATTRIBUTE} = {WHOLE_TENSOR!r}")
+
+
+def check_elementwise(optimizer_class, declared: bool | None) -> None:
+    """Refuse optimizers that are neither elementwise nor declared whole-tensor (they
+    would be wrong on shards)."""
+    update_kind(optimizer_class, declared)

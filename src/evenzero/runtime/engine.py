@@ -51,7 +51,7 @@ class ShardEngine:
                  group_ranks: Mapping[str, int], shards: Mapping[str, GroupShard],
                  make_inner: InnerFactory, reducer_config: ReducerConfig,
                  recorder: TraceRecorder, clearing: ClearTracker, gathers: ParamGathers,
-                 world_group: Any) -> None:
+                 world_group: Any, own_inner: Mapping[str, InnerFactory] | None = None) -> None:
         self.plan = plan
         self.params = params
         self.group_ranks = dict(group_ranks)
@@ -66,14 +66,29 @@ class ShardEngine:
         self.flat = FlatParams(plan, dict(params), self.group_ranks)
         for shard in self.groups.values():
             shard.lay_out(plan, self.flat)
-        self.inner = make_inner([{"params": self.groups[g.name].optimizer_params(),
-                                  **self.groups[g.name].options} for g in plan.groups])
-        for shard in self.groups.values():
-            shard.attach(self.inner)
+        # One inner optimizer for the groups of the class ZeroOptimizer was given, and one
+        # of its own for each group in `own_inner` (another class, or a whole-tensor
+        # optimizer, whose param group may be empty on a rank that owns none of it).
+        own = dict(own_inner or {})
+        main = [g.name for g in plan.groups if g.name not in own]
+        self.inners: dict[str, torch.optim.Optimizer] = {}
+        """Group name -> the inner optimizer that steps it."""
+        if main:
+            shared = make_inner([self._param_group(g) for g in main])
+            self.inners.update(dict.fromkeys(main, shared))
+        for g in [g.name for g in plan.groups if g.name in own]:
+            self.inners[g] = own[g]([self._param_group(g)])
+        self.inner = self.inners[main[0] if main else plan.groups[0].name]
+        """The inner optimizer of `ZeroOptimizer`'s own class (where a group has it)."""
+        for name, shard in self.groups.items():
+            shard.attach(self.inners[name])
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
         self.error_feedback = ErrorFeedback(reducer_config.device)
         """The quantization residuals of compressed buckets (`grad_compression_error_feedback`)."""
         self._wire(plan, routes)
+
+    def _param_group(self, name: str) -> dict[str, Any]:
+        return {"params": self.groups[name].optimizer_params(), **self.groups[name].options}
 
     def _wire(self, plan: Plan, routes: tuple[BucketRoute, ...]) -> None:
         self.error_feedback.bind(plan)

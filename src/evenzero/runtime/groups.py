@@ -4,6 +4,8 @@ Three ways to say which process group a parameter is reduced over:
 
 * nothing: every trainable parameter is in group "dense", reduced over the world;
 * `param_groups=[{"params": [...], "process_group": pg, "name": ..., **optimizer_kwargs}]`;
+  a group's `"optimizer"` key (a `torch.optim.Optimizer` class) steps it with that class
+  instead of `ZeroOptimizer`'s (Muon for the matrices, AdamW for the rest: docs/muon.md);
 * DeepSpeed's MoE marker `param.allreduce = False` with `param.group_name`, plus
   `expert_groups={group_name: edp_process_group}`.
 
@@ -31,6 +33,9 @@ from evenzero.spec import (
     is_expert,
 )
 
+OPTIMIZER_KEY = "optimizer"
+"""The param-group key that names the group's own inner optimizer class."""
+
 
 class GroupingError(ValueError):
     """A parameter-group problem found on this rank; it is agreed across ranks before raising."""
@@ -50,6 +55,9 @@ class TrainGroup:
     """Process group the gradients are reduced over (the data-parallel world for dense)."""
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Optimizer keyword arguments that override the defaults for this group."""
+    optimizer: type | None = None
+    """The group's own inner optimizer class (its `"optimizer"` key); None: the one
+    `ZeroOptimizer` was given."""
 
 
 def trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -74,7 +82,8 @@ def build_groups(module: torch.nn.Module, world_group, param_groups: Iterable[Ma
     for i, raw in enumerate(param_groups):
         if not isinstance(raw, Mapping) or "params" not in raw:
             raise GroupingError(f"param_groups[{i}] must be a dict with a 'params' list")
-        opts = {k: v for k, v in raw.items() if k not in ("params", "process_group", "name")}
+        opts = {k: v for k, v in raw.items()
+                if k not in ("params", "process_group", "name", OPTIMIZER_KEY)}
         gname = str(raw.get("name") or (DENSE if i == 0 else f"group{i}"))
         pg = world_group if raw.get("process_group") is None else raw["process_group"]
         members = []
@@ -98,8 +107,13 @@ def build_groups(module: torch.nn.Module, world_group, param_groups: Iterable[Ma
             members.append(p)
         if any(g.name == gname for g in groups):
             raise GroupingError(f"two parameter groups are named {gname!r}; name them apart")
+        own = raw.get(OPTIMIZER_KEY)
+        if own is not None and not (isinstance(own, type) and issubclass(own, torch.optim.Optimizer)):
+            raise GroupingError(f"param_groups[{i}] ({gname}): \"{OPTIMIZER_KEY}\" must be a "
+                                f"torch.optim.Optimizer class such as torch.optim.AdamW, got "
+                                f"{own!r}")
         if members:
-            groups.append(_group(gname, members, name_of, pg, opts))
+            groups.append(_group(gname, members, name_of, pg, opts, own))
     missing = [n for n, p in named if id(p) not in placed]
     if missing:
         raise GroupingError(f"trainable parameter {missing[0]!r} (and {len(missing) - 1} more) "
@@ -125,9 +139,10 @@ def _groups_by_marker(named, world_group, expert_groups: Mapping[str, Any]) -> t
                         world_group if g == DENSE else expert_groups[g], {}) for g in order)
 
 
-def _group(name: str, params: list, name_of: dict, pg, opts: dict) -> TrainGroup:
+def _group(name: str, params: list, name_of: dict, pg, opts: dict,
+           optimizer: type | None = None) -> TrainGroup:
     return TrainGroup(name, tuple(name_of[id(p)] for p in params), tuple(params), pg,
-                      MappingProxyType(dict(opts)))
+                      MappingProxyType(dict(opts)), optimizer)
 
 
 def check_process_group(group: TrainGroup, world_group) -> int:

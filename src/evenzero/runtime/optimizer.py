@@ -105,6 +105,7 @@ from evenzero.runtime.setup import (
     broadcast_initial_state,
     establish,
     tunes_bucket_size,
+    whole_tensor_names,
 )
 from evenzero.runtime.shardedgrad import drop_placeholders, placeholders
 from evenzero.runtime.shards import GroupShard, Placement
@@ -174,11 +175,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                                   list(param_dtypes.values())))
 
         # The inner optimizer's implementation (runtime/innerstep.py), before the plan names it.
+        mine = [g for g in setup.groups if g.optimizer is None]
         # Offloaded shards are stepped on the host, with the host's implementation.
         step_device = torch.device("cpu") if cfg.offload_optimizer else setup.device
-        inner_step = choose_inner_step(optimizer_class, kwargs, [g.options for g in setup.groups],
+        inner_step = choose_inner_step(optimizer_class, kwargs, [g.options for g in mine],
                                        step_device, master_dtype, cfg.optimizer_impl)
-        self.config = cfg = replace(cfg, optimizer_impl=inner_step.impl)
+        # Groups with their own class (their "optimizer" key) or a whole-tensor update each
+        # get an inner optimizer of their own (docs/muon.md).
+        whole = whole_tensor_names(setup.groups, optimizer_class, cfg)
+        own_inner = {}
+        for g in setup.groups:
+            if g.optimizer is not None:
+                step = choose_inner_step(g.optimizer, {}, [g.options], step_device,
+                                         master_dtype, None)
+                own_inner[g.name] = partial(g.optimizer, **step.kwargs)
+            elif any(n in whole for n in g.names):
+                own_inner[g.name] = partial(optimizer_class, **inner_step.kwargs)
+        self.config = cfg = replace(cfg, optimizer_impl=inner_step.impl if mine else None,
+                                    whole_tensor=whole)
         broadcast_initial_state(module, setup.groups, self.world_group)
         # Parameters frozen now are not managed; unfreezing one later is named at the step.
         frozen = {id(p) for p in module.parameters() if not p.requires_grad}
@@ -188,7 +202,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         shards = {g.name: GroupShard(g.name, g.process_group, setup.group_sizes[g.name],
                                      setup.group_ranks[g.name], param_dtypes[g.name],
                                      reduce_dtype or param_dtypes[g.name], master_dtype,
-                                     g.options, placement)
+                                     g.options, placement,
+                                     {n: tuple(p.shape) for n, p in zip(g.names, g.params, strict=True)}
+                                     if whole and g.names[0] in whole else None)
                   for g in setup.groups}
         self._placeholders = placeholders(setup.named)
         clearing = ClearTracker(self.params, self._placeholders)
@@ -200,13 +216,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             ReducerConfig(cfg.stage, self.world_size, cfg.max_buckets_in_flight, setup.device,
                           REDUCE_SCATTERS[self.reduce_scatter_algorithm], self._scaler.scale,
                           keeps_pool(setup.device)),
-            self._recorder, clearing, self._gathers, self.world_group)
+            self._recorder, clearing, self._gathers, self.world_group, own_inner)
         self._plans.bind(self._engine)
         # The torch face: the user's groups, every option filled in from the inner
         # optimizer's defaults, as torch fills them.
         self._constructing = True
+        own_defaults = {g.name: user_defaults(self._engine.inners[g.name].defaults, {})
+                        for g in setup.groups if g.optimizer is not None}
         torch.optim.Optimizer.__init__(
-            self, [{"params": list(g.params), **g.options} for g in setup.groups],
+            self, [{"params": list(g.params), **own_defaults.get(g.name, {}), **g.options}
+                   for g in setup.groups],
             user_defaults(self._engine.inner.defaults, kwargs))
         self._constructing = False
         self.step_count = 0

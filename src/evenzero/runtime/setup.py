@@ -23,7 +23,13 @@ from evenzero.runtime.checks import (
     check_group_partition,
 )
 from evenzero.runtime.collectives import broadcast, control_device
-from evenzero.runtime.config import ZeroConfig, check_elementwise
+from evenzero.runtime.config import (
+    WHOLE_TENSOR,
+    WHOLE_TENSOR_OPTIMIZERS,
+    ZeroConfig,
+    check_elementwise,
+    update_kind,
+)
 from evenzero.runtime.groups import (
     GroupingError,
     TrainGroup,
@@ -147,6 +153,7 @@ def establish(module: torch.nn.Module, optimizer_class, param_groups: Iterable[M
                                   f"every reference to it) before building another")
         check_elementwise(optimizer_class, config.elementwise)
         groups = build_groups(module, world_group, param_groups, expert_groups)
+        check_whole_tensor_groups(groups, optimizer_class, config)
         device = _check_devices(named)
         for g in groups:
             ranks[g.name] = check_process_group(g, world_group)
@@ -164,7 +171,8 @@ def establish(module: torch.nn.Module, optimizer_class, param_groups: Iterable[M
                 for n, b in module.named_buffers()),
         groups=tuple((g.name, sizes.get(g.name, 0)) for g in groups) if not error else (),
         settings=_settings(config, optimizer_class, {**defaults, **{
-            f"{g.name}.{k}": v for g in groups for k, v in g.options.items()}}),
+            f"{g.name}.{k}": v for g in groups for k, v in g.options.items()}, **{
+            f"{g.name}.optimizer": g.optimizer.__qualname__ for g in groups if g.optimizer}}),
         error=error)
     comm = control_device(world_group, device)
     agree(desc, world_group, comm)
@@ -214,6 +222,39 @@ def _broadcast_flat(tensors: list[torch.Tensor], group) -> None:
             offset += t.numel()
 
 
+def group_update(group: TrainGroup, optimizer_class, config: ZeroConfig) -> str:
+    """Whether `group`'s inner optimizer is elementwise or updates whole tensors."""
+    if group.optimizer is None:
+        return update_kind(optimizer_class, config.elementwise)
+    return update_kind(group.optimizer)
+
+
+def check_whole_tensor_groups(groups: Iterable[TrainGroup], optimizer_class,
+                              config: ZeroConfig) -> None:
+    """Every group's optimizer is identified, and a Muon group holds matrices only
+    (torch.optim.Muon's own rule: it refuses any parameter that is not 2-D)."""
+    for g in groups:
+        cls = g.optimizer or optimizer_class
+        if group_update(g, optimizer_class, config) != WHOLE_TENSOR:
+            continue
+        if not issubclass(cls, WHOLE_TENSOR_OPTIMIZERS):
+            continue
+        for n, p in zip(g.names, g.params, strict=True):
+            if p.dim() != 2:
+                raise GroupingError(
+                    f"parameter {n!r} of shape {list(p.shape)} is in group {g.name!r}, which "
+                    f"{cls.__name__} steps, but {cls.__name__} updates 2-D matrices only "
+                    f"(torch.optim.Muon refuses it too); put it in a group with "
+                    f"\"optimizer\": torch.optim.AdamW (embeddings, heads, norms, biases)")
+
+
+def whole_tensor_names(groups: Iterable[TrainGroup], optimizer_class,
+                       config: ZeroConfig) -> tuple[str, ...]:
+    """The parameters of the groups whose optimizer updates whole tensors."""
+    return tuple(n for g in groups if group_update(g, optimizer_class, config) == WHOLE_TENSOR
+                 for n in g.names)
+
+
 PLAN_OPTION_OF: Mapping[str, str] = {
     "stage": "stage",
     "bucket_numel": "bucket_numel",
@@ -226,6 +267,7 @@ PLAN_OPTION_OF: Mapping[str, str] = {
     "grad_compression": "grad_compression",
     "grad_compression_block": "compression_block",
     "grad_compression_error_feedback": "error_feedback",
+    "whole_tensor": "whole_tensor",
     "offload_optimizer": "offload_optimizer",
 }
 """`ZeroConfig` field -> the `PlanOptions` field it sets (`plan_options`), so `opt.plan`,
@@ -262,6 +304,7 @@ def plan_options(config: ZeroConfig, device: torch.device | None = None) -> Plan
                        grad_compression=config.grad_compression,
                        compression_block=config.grad_compression_block,
                        error_feedback=config.grad_compression_error_feedback,
+                       whole_tensor=tuple(config.whole_tensor),
                        offload_optimizer=config.offload_optimizer)
 
 

@@ -32,13 +32,15 @@ through it: this is the seam where a new placement (CPU offload) or master dtype
 
 from __future__ import annotations
 
+import math
+from bisect import bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from evenzero.plan import STEP, Collective, Plan
+from evenzero.plan import STEP, Collective, Plan, PlanError
 from evenzero.runtime.buckets import FlatParams
 from evenzero.runtime.collectives import all_gather_flat
 from evenzero.runtime.innerstep import keeps_inner_choice
@@ -46,6 +48,7 @@ from evenzero.runtime.maskedstep import MaskedStep, split_state
 from evenzero.runtime.offload import Apply, HostLink, host_zeros
 from evenzero.runtime.paramwrites import pick_up
 from evenzero.runtime.shardruns import ShardRuns
+from evenzero.runtime.wholestep import Owned, WholeTensorStep
 from evenzero.spec import DTYPE_BYTES, dtype_name
 
 
@@ -104,7 +107,8 @@ class GroupShard:
 
     def __init__(self, name: str, process_group: Any, size: int, rank: int,
                  param_dtype: torch.dtype, reduce_dtype: torch.dtype, master_dtype: torch.dtype,
-                 options: Mapping[str, Any], placement: Placement) -> None:
+                 options: Mapping[str, Any], placement: Placement,
+                 whole_shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
         self.name = name
         """Group name in the plan."""
         self.process_group = process_group
@@ -122,6 +126,12 @@ class GroupShard:
         self.options = options
         """Optimizer keyword overrides for this group."""
         self.placement = placement
+        self.whole_shapes = dict(whole_shapes) if whole_shapes is not None else None
+        """Shapes of the group's parameters when its inner optimizer updates whole tensors
+        (Muon): it then steps the ones this rank owns as tensors of their own shape
+        (`runtime/wholestep.py`); None: it steps the flat pieces (`MaskedStep`)."""
+        self.owned: tuple[Owned, ...] = ()
+        self._ever_active = False
         self.aliased = master_dtype == param_dtype and not placement.offloaded
         """The master pieces are this rank's slices of the flat parameter buffers."""
         self.link = HostLink(placement.compute, placement.pin) if placement.offloaded else None
@@ -131,7 +141,7 @@ class GroupShard:
         self.pieces: tuple[Piece, ...] = ()
         self.runs = ShardRuns(0, {})
         """Which runs of the shard belong to which parameter."""
-        self.stepper: MaskedStep | None = None
+        self.stepper: MaskedStep | WholeTensorStep | None = None
         self._master: torch.Tensor | None = None
         self._by_layout: dict[int, int] = {}
         self._optimizer: torch.optim.Optimizer | None = None
@@ -139,6 +149,7 @@ class GroupShard:
         self._state_views: dict[str, list[torch.Tensor]] = {}
         self._stepping = False
         self._unstepped: set[int] = set()
+        self._state_keys: tuple[str, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -162,11 +173,27 @@ class GroupShard:
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Step with `optimizer`, one of whose param groups holds exactly `optimizer_params()`."""
         self._optimizer = optimizer
-        self.stepper = MaskedStep(optimizer, self.optimizer_params(), self.runs)
+        self.stepper = self._make_stepper()
+
+    def _make_stepper(self) -> MaskedStep | WholeTensorStep:
+        if self.whole_shapes is not None:
+            return WholeTensorStep(self._optimizer, self.owned)
+        return MaskedStep(self._optimizer, self.optimizer_params(), self.runs)
 
     def optimizer_params(self) -> list[torch.Tensor]:
-        """What the inner optimizer's param group of this group holds: the master pieces."""
+        """What the inner optimizer's param group of this group holds: the master pieces,
+        or, for a whole-tensor optimizer, views of them shaped as the parameters this
+        rank owns whole."""
+        if self.whole_shapes is not None:
+            return [o.tensor for o in self.owned]
         return [p.master for p in self.pieces]
+
+    def _units(self) -> list[tuple[torch.Tensor, int, int]]:
+        """(optimizer parameter, shard offset, numel) of what the optimizer keeps state for."""
+        if self.whole_shapes is not None:
+            return [(o.tensor, self.pieces[o.piece].shard_offset + o.offset, o.numel)
+                    for o in self.owned]
+        return [(p.master, p.shard_offset, p.numel) for p in self.pieces]
 
     def relayout(self, old: Plan, new: Plan, flat: FlatParams) -> None:
         """Move to the shard of `new` (collective over the group): masters, optimizer
@@ -178,13 +205,13 @@ class GroupShard:
             self._master = reshard(self._master, old, new, self)
         self.grad = reshard(self.grad, old, new, self)
         state = self._optimizer.state
-        for p in self.pieces:
-            state.pop(p.master, None)
+        for t, _, _ in self._units():
+            state.pop(t, None)
         group = self.stepper.group
         self._place(new, flat)
         group["params"] = self.optimizer_params()
         self._bind_flats(flats)
-        self.stepper = MaskedStep(self._optimizer, self.optimizer_params(), self.runs)
+        self.stepper = self._make_stepper()
 
     def _zeros(self, n: int, device: torch.device, pin: bool) -> torch.Tensor:
         if pin:
@@ -201,6 +228,28 @@ class GroupShard:
         self.pieces = tuple(pieces)
         self._by_layout = {p.layout: i for i, p in enumerate(pieces)}
         self.runs = ShardRuns.of(plan, self.name, self.rank)
+        if self.whole_shapes is not None:
+            self.owned = tuple(self._owned(plan))
+
+    def _owned(self, plan: Plan) -> list[Owned]:
+        """The parameters this rank owns whole, as views of the master pieces; raises if
+        the plan gives one to several ranks (a layout that is not matrix-aligned)."""
+        out = []
+        starts = [p.shard_offset for p in self.pieces]
+        for name in self.runs.names:
+            (off, n), *more = self.runs.runs[name]
+            shape = tuple(self.whole_shapes[name])
+            if more or n != math.prod(shape):
+                raise PlanError(f"parameter {name!r} of shape {list(shape)} is split across "
+                                f"ranks by the {plan.strategy!r} plan, but group {self.name!r} "
+                                f"updates whole tensors; use strategy='evenzero', which lays "
+                                f"such groups out matrix-aligned")
+            i = bisect_right(starts, off) - 1
+            piece = self.pieces[i]
+            local = off - piece.shard_offset
+            out.append(Owned(name, i, local, shape,
+                             piece.master[local:local + n].view(shape)))
+        return out
 
     # ------------------------------------------------------------------ the step
 
@@ -226,6 +275,7 @@ class GroupShard:
         per piece) replaces the gradient shard. On the fast path the pieces are stepped by
         `step_layouts`, layout by layout; otherwise the whole step happens here."""
         grads = [p.grad for p in self.pieces] if grads is None else grads
+        self._ever_active = self._ever_active or active
         self._stepping = self.stepper.begin(grads, present, active)
         self._unstepped = set(range(len(self.pieces))) if self._stepping else set()
 
@@ -304,8 +354,9 @@ class GroupShard:
         for p in self.pieces:
             p.master.copy_(master[p.shard_offset:p.shard_offset + p.numel])
         state = self._optimizer.state
-        for p in self.pieces:
-            state[p.master].clear()
+        for t, _, _ in self._units():
+            state[t].clear()
+        self._ever_active = self._ever_active or bool(flats)
         self._state_flats, self._state_views = {}, {}
         self._bind_flats({k: v.detach().to(self.placement.optimizer_state, self.master_dtype).clone()
                           for k, v in flats.items()})
@@ -314,9 +365,9 @@ class GroupShard:
         state = self._optimizer.state
         self._state_flats, self._state_views = {}, {}
         for key, flat in flats.items():
-            views = [flat[p.shard_offset:p.shard_offset + p.numel] for p in self.pieces]
-            for p, v in zip(self.pieces, views, strict=True):
-                state[p.master][key] = v
+            views = [flat[o:o + n].view(t.shape) for t, o, n in self._units()]
+            for (t, _, _), v in zip(self._units(), views, strict=True):
+                state[t][key] = v
             self._state_flats[key], self._state_views[key] = flat, views
 
     def _bind_state(self) -> None:
@@ -324,6 +375,9 @@ class GroupShard:
         key. The optimizer creates its state per piece at the first step (and could
         replace a tensor later): those are copied into the flat tensor once, then
         updated in place through the views."""
+        if self.whole_shapes is not None:
+            self._bind_whole_state()
+            return
         state = self._optimizer.state
         per = [split_state(state.get(p.master, {}), p.numel)[0] for p in self.pieces]
         keys = [k for k in per[0] if all(k in f for f in per)] if per else []
@@ -346,6 +400,32 @@ class GroupShard:
                     if f[k] is not v:
                         v.copy_(f[k])
                         state[p.master][k] = v
+            self._state_flats[k], self._state_views[k] = flat, views
+
+    def _bind_whole_state(self) -> None:
+        """`_bind_state` for whole tensors: one flat tensor per state key over the shard
+        (zeros where no owned parameter has that state: padding, parameters never
+        stepped), each owned parameter's state a view of it, shaped as the parameter.
+        Once the group stepped on any rank, every rank holds the keys the optimizer keeps
+        (`WholeTensorStep.state_keys`), so checkpoints find the same keys everywhere."""
+        if not self._ever_active:
+            return
+        state = self._optimizer.state
+        keys = self._state_keys or self.stepper.state_keys(self.master_dtype,
+                                                           self.placement.optimizer_state)
+        self._state_keys = keys
+        units = self._units()
+        for k in keys:
+            flat = self._state_flats.get(k)
+            if flat is None:
+                flat = torch.zeros(self.numel, dtype=self.master_dtype,
+                                   device=self.placement.optimizer_state)
+            views = [flat[o:o + n].view(t.shape) for t, o, n in units]
+            for (t, _, _), v in zip(units, views, strict=True):
+                have = state.get(t, {}).get(k)
+                if have is not None and have is not v:
+                    v.copy_(have)
+                    state[t][k] = v
             self._state_flats[k], self._state_views[k] = flat, views
 
     # ------------------------------------------------------------------ memory
@@ -377,8 +457,8 @@ class GroupShard:
         """Bytes of the inner optimizer's state for this group (flat and scalar)."""
         total = sum(_nbytes(f) for f in self._state_flats.values())
         state = self._optimizer.state if self._optimizer is not None else {}
-        for p in self.pieces:
-            for k, v in state.get(p.master, {}).items():
+        for t, _, _ in self._units():
+            for k, v in state.get(t, {}).items():
                 if torch.is_tensor(v) and k not in self._state_flats:
                     total += _nbytes(v)
         return total

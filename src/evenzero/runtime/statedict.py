@@ -78,9 +78,13 @@ class StateDictIO:
             groups.append(packed)
         param_state = {}
         for shard in self.engine.groups.values():
+            # A whole-tensor optimizer's parameters are owned whole, so their state shows
+            # as torch keeps it (Muon's momentum_buffer, of the parameter's shape; views
+            # of the flat state, as in torch no copies) on the rank that owns them.
+            shaped = shard.stepper.tensor_state() if shard.whole_shapes is not None else {}
             for name, scalars in shard.stepper.param_state().items():
-                if scalars:
-                    param_state[index[id(self.params[name])]] = scalars
+                if scalars or shaped.get(name):
+                    param_state[index[id(self.params[name])]] = {**scalars, **shaped.get(name, {})}
         shards = {g: dict(self.shard_state(g, param_groups)["flats"]) for g in self.engine.groups}
         out = pack(groups, param_state, shards, self._identity(), step_count,
                    self.scaler.scaler.state_dict())

@@ -73,6 +73,15 @@ class PlanOptions:
     error_feedback: bool = False
     """evenzero, compressed: each rank keeps its quantization residual (one fp32 value
     per gradient element) and adds it to the next synchronising backward's gradient."""
+    whole_tensor: tuple[str, ...] = ()
+    """evenzero: parameters whose update needs the whole tensor (Muon's matrices). Empty
+    (element-wise optimizers): today's layout, no padding added. Otherwise their groups
+    are laid out matrix-aligned (`evenzero.strategies.wholetensor`): each of these
+    parameters inside one rank's equal slice of its bucket, Newton-Schulz work balanced
+    over the ranks, still one equal reduce-scatter per bucket."""
+    ns_steps: int = 5
+    """Newton-Schulz iterations of each whole-tensor update (Muon's `ns_steps`): the
+    FLOPs `StepWork.matrix_flops` charges and the layout balances."""
     offload_optimizer: str | None = None
     """evenzero and DeepSpeed: "cpu" keeps the masters, gradient shard and optimizer state
     in host memory and steps there (ZeRO-Offload); None keeps them on the device."""
@@ -106,6 +115,14 @@ class PlanOptions:
             raise PlanError(str(e)) from None
         if not isinstance(self.error_feedback, bool):
             raise PlanError(f"error_feedback must be True or False, got {self.error_feedback!r}")
+        if (not isinstance(self.whole_tensor, tuple)
+                or not all(isinstance(n, str) for n in self.whole_tensor)):
+            raise PlanError(f"whole_tensor must be a tuple of parameter names, got "
+                            f"{self.whole_tensor!r}")
+        n = self.ns_steps
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < 100:
+            raise PlanError(f"ns_steps must be an integer in [0, 100) as torch.optim.Muon "
+                            f"accepts, got {n!r}")
         if self.error_feedback and self.grad_compression is None:
             raise PlanError("grad_compression_error_feedback=True needs a compressed wire: "
                             "set grad_compression=\"int8\" (or \"bf16\"); exact values leave "
