@@ -81,13 +81,13 @@ REFUSED = [
      "fp16_master_weights_and_grads"),
     ({"fp16": {"enabled": True, "scale_power": 3}}, "fp16.scale_power"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "simultaneously"),
-    ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op"),
-    ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation"),
-    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}},
+    ({"gradient_allreduce_op": "max"}, "gradient_allreduce_op"),
+    ({"managed_gradient_accumulation": "no"}, "managed_gradient_accumulation"),
+    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp16"}},
      "data_types.grad_accum_dtype"),
     ({"checkpoint": {"load_universal": True}}, "checkpoint.load_universal"),
     ({"communication_data_type": "int8"}, "communication_data_type"),
-    ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
+    ({"gradient_predivide_factor": 0}, "gradient_predivide_factor"),
 ]
 
 
@@ -95,6 +95,27 @@ REFUSED = [
 def test_unsupported_keys_are_errors_naming_the_key(extra, key):
     with pytest.raises(DeepSpeedConfigError, match=key.replace(".", r"\.")):
         parse_config({**BASE, **extra}, 1)
+
+
+def test_stage12_keys_deepspeed_runs_are_parsed_with_their_meaning():
+    cfg = parse_config({**BASE, "gradient_allreduce_op": "SUM",
+                        "managed_gradient_accumulation": False,
+                        "gradient_predivide_factor": 2.0,
+                        "zero_optimization": {"stage": 1},
+                        "checkpoint": {"tag_validation": "fail"},
+                        "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, 1)
+    assert cfg.gradient_allreduce_op == "sum"
+    assert cfg.managed_gradient_accumulation is False
+    assert cfg.tag_validation == "FAIL"
+    assert parse_config(BASE, 1).tag_validation == "WARN"  # DeepSpeed's default
+    # DeepSpeed's ZeRO-2 asserts on a predivide factor while reduce-scattering (its default).
+    with pytest.raises(AssertionError, match="gradient_predivide_factor"):
+        parse_config({**BASE, "gradient_predivide_factor": 2.0,
+                      "zero_optimization": {"stage": 2}}, 1)
+    with pytest.raises(AssertionError, match="nccl_start_alignment_factor"):
+        parse_config({**BASE, "zero_optimization": {"stage": 2, "allgather_bucket_size": 3}}, 1)
+    with pytest.raises(DeepSpeedConfigError, match="tag_validation value of NOPE"):
+        parse_config({**BASE, "checkpoint": {"tag_validation": "nope"}}, 1)
 
 
 @pytest.mark.parametrize(("extra", "key"), [

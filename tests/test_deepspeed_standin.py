@@ -42,8 +42,8 @@ out["schedules"] = deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES
 out["real_loaded"] = sorted(m for m, mod in sys.modules.items()
                             if "site-packages/deepspeed/" in str(getattr(mod, "__file__", "")))
 errors = {}
-for n in ("deepspeed.ops.adagrad", "deepspeed.runtime.zero.partition_parameters",
-          "deepspeed.pipe", "deepspeed.no_such_module"):
+for n in ("deepspeed.ops.adagrad", "deepspeed.runtime.zero.tiling",
+          "deepspeed.runtime.pipe", "deepspeed.no_such_module"):
     try:
         importlib.import_module(n)
         errors[n] = None
@@ -82,8 +82,8 @@ def test_deepspeed_resolves_to_evenzero_module_for_module():
     assert out["real_loaded"] == []  # an installed DeepSpeed is never imported
     errors = out["errors"]
     assert "offload_optimizer" in errors["deepspeed.ops.adagrad"]
-    assert "ZeRO stage 3" in errors["deepspeed.runtime.zero.partition_parameters"]
-    assert "pipeline parallelism" in errors["deepspeed.pipe"]
+    assert "ZeRO stage 3" in errors["deepspeed.runtime.zero.tiling"]
+    assert "pipeline parallelism" in errors["deepspeed.runtime.pipe"]
     assert "not this module" in errors["deepspeed.no_such_module"]
     # What `evenzero run` tells from a crash (evenzero.deepspeed.uncaught).
     assert out["error_types"] == ["RefusedModuleError"]

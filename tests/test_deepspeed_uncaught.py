@@ -90,7 +90,7 @@ def test_caught_refusals_keep_fallbacks_and_other_errors_keep_tracebacks(tmp_pat
     site.mkdir()
     (site / "sitecustomize.py").write_text("import os\nos.environ['THEIRS_RAN'] = '1'\n")
     script = ("import os\n"
-              "try:\n    import deepspeed.ops.aio\n"
+              "try:\n    import deepspeed.nvme\n"
               "except ImportError as e:\n    print('fallback:', e)\n"
               "print('theirs ran:', os.environ.get('THEIRS_RAN'))\n"
               "raise ValueError('an ordinary bug')\n")
@@ -100,7 +100,7 @@ def test_caught_refusals_keep_fallbacks_and_other_errors_keep_tracebacks(tmp_pat
                           env=env | {"PYTHONPATH": os.pathsep.join([env["PYTHONPATH"],
                                                                     str(site)])})
     assert proc.returncode == 1
-    assert "fallback: No module named 'deepspeed.ops.aio': NVMe offload" in proc.stdout
+    assert "fallback: No module named 'deepspeed.nvme': NVMe offload" in proc.stdout
     assert "theirs ran: 1" in proc.stdout
     assert "Traceback" in proc.stderr and "ValueError: an ordinary bug" in proc.stderr
     assert "evenzero run: refused" not in proc.stderr
@@ -109,7 +109,7 @@ def test_caught_refusals_keep_fallbacks_and_other_errors_keep_tracebacks(tmp_pat
 def test_what_counts_as_a_refusal():
     assert uncaught.is_refusal(DeepSpeedConfigError("x"))
     assert uncaught.is_refusal(unsupported("deepspeed.zero.Init", "no"))
-    assert uncaught.is_refusal(RefusedModuleError(missing_module("deepspeed.pipe")))
+    assert uncaught.is_refusal(RefusedModuleError(missing_module("deepspeed.runtime.pipe")))
     assert not uncaught.is_refusal(ModuleNotFoundError("No module named 'mpi4py'"))
     assert isinstance(unsupported("a", "b"), NotImplementedError)  # what scripts catch
     assert not uncaught.is_refusal(NotImplementedError("a plain one"))

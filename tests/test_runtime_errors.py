@@ -192,6 +192,18 @@ def case_problem_on_one_rank_is_raised_on_all(rank, world):
         raise AssertionError("step() did not raise")
 
 
+def case_zero_size_parameter_keeps_its_empty_gradient(rank, world):
+    # Found by the differential fuzzer (tests/fuzz): an empty parameter used in forward got
+    # an (empty) gradient, which the end-of-backward check took for an unmanaged one.
+    model = MLP()
+    model.empty = nn.Parameter(torch.zeros(0))
+    opt = _opt(model)
+    x, y = mlp_batch(0, 4)
+    mlp_loss(lambda x: model(x) + model.empty.sum(), (x, y)).backward()
+    opt.step()
+    assert model.empty.grad is not None and model.empty.grad.numel() == 0  # as under DDP
+
+
 EXPECTED = {
     # case name: (error type, fragments the message must contain); None: must succeed.
     "models_differ": (_zce(), "'fc1.weight'", "differs across ranks", "ranks [1]"),
@@ -213,6 +225,7 @@ EXPECTED = {
     "grad_on_one_rank_only": (_zre(), "'extra.weight'", "1 of 2 ranks", "allow_partial_grads=True"),
     "unplanned_gradient": (_zre(), "'extra.", "no collective"),
     "param_replaced_after_construction": (_zre(), "'head.bias'", "does not manage"),
+    "zero_size_parameter_keeps_its_empty_gradient": None,
     "partial_grads_allowed": None,
     "problem_on_one_rank_is_raised_on_all": None,
     "custom_optimizer_declared_elementwise": None,

@@ -54,8 +54,8 @@ __version_major__, __version_minor__, __version_patch__ = 0, 19, 8
 version = __version__
 
 
-SUBMODULES = ("accelerator", "checkpoint", "checkpointing", "launcher", "moe", "ops",
-              "runtime", "utils", "zero")
+SUBMODULES = ("accelerator", "checkpoint", "checkpointing", "git_version_info", "launcher", "moe",
+              "ops", "pipe", "runtime", "utils", "zero")
 """DeepSpeed's submodules provided here, each a real module (`import deepspeed.ops.adam`)."""
 
 _LAZY_NAMES = {"get_accelerator": "evenzero.deepspeed.accelerator",
@@ -75,7 +75,6 @@ def __getattr__(name: str) -> Any:
 
 
 _MISSING = {
-    "pipe": "pipeline parallelism is not supported",
     "inference": "DeepSpeed inference is not supported",
     "InferenceEngine": "DeepSpeed inference is not supported",
     "DeepSpeedHybridEngine": "the hybrid (RLHF) engine is not supported",

@@ -40,6 +40,14 @@ from torch.distributed import (  # noqa: F401 - re-exported
 from evenzero.deepspeed.launch import init_distributed  # noqa: F401 - re-exported
 
 
+def reduce_scatter_fn(output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op=False,
+                      prof=False, debug=None):
+    """DeepSpeed's reduce-scatter of a flat tensor into `output_tensor`
+    (deepspeed/comm/comm.py@0.19.8:283): `reduce_scatter_tensor`. `prof` and `debug` are
+    DeepSpeed's comms-logging arguments, which change nothing here."""
+    return reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
+
+
 def get_rank(group=None) -> int:
     return _dist.get_rank(group) if _dist.is_initialized() else 0
 

@@ -76,6 +76,8 @@ class ZeroSection:
     """`offload_optimizer.device` "cpu" (or the legacy `cpu_offload: true`); None: off."""
     pin_memory: bool = True
     """`offload_optimizer.pin_memory` (DeepSpeed 0.19.8's default: True)."""
+    reduce_scatter: bool = True
+    """DeepSpeed's key (its default true); only read to refuse what DeepSpeed refuses."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,13 @@ class EngineConfig:
     DeepSpeedCPUAdam, as DeepSpeed does (deepspeed/runtime/engine.py@0.19.8:2342)."""
     unknown_keys: tuple[str, ...] = ()
     """Top-level keys DeepSpeed does not know (DeepSpeed ignores them; a warning says so)."""
+    gradient_allreduce_op: str = "mean"
+    """"mean" (DeepSpeed's default) or "sum": data-parallel gradients summed, not averaged."""
+    managed_gradient_accumulation: bool = True
+    """False: every `engine.step()` is an accumulation boundary that applies the update
+    (the caller owns the boundary), as DeepSpeed 0.19.8's key says."""
+    tag_validation: str = "WARN"
+    """checkpoint.tag_validation: what a tag that differs across ranks does (FAIL raises)."""
 
 
 def load_config(config: Any) -> dict:
@@ -173,8 +182,8 @@ def parse_config(raw: Mapping[str, Any], world_size: int) -> EngineConfig:
         if comm not in ("fp32", "fp16", "bf16"):
             raise DeepSpeedConfigError(f"Invalid communication_data_type. Supported data types: "
                                        f"['fp16', 'bf16', 'fp32']. Got: {comm}")
-    _check_reduction_keys(raw)
-    _check_misc_sections(raw, precision)
+    reduce_op, managed = _check_reduction_keys(raw, zero)
+    tag_validation = _check_misc_sections(raw, precision)
     clipping = raw.get("gradient_clipping", 1.0)  # deepspeed/runtime/constants.py@0.19.8:203
     if isinstance(clipping, bool) or not isinstance(clipping, (int, float)) or clipping < 0:
         raise DeepSpeedConfigError(f"gradient_clipping must be a number >= 0 (0 disables it), "
@@ -188,7 +197,9 @@ def parse_config(raw: Mapping[str, Any], world_size: int) -> EngineConfig:
         use_data_before_expert_parallelism=bool(raw.get("use_data_before_expert_parallelism",
                                                         False)),
         no_ops=tuple(no_ops), unknown_keys=tuple(sorted(unknown)),
-        force_ds_cpu_optimizer=_force_cpu_optimizer(raw))
+        force_ds_cpu_optimizer=_force_cpu_optimizer(raw),
+        gradient_allreduce_op=reduce_op, managed_gradient_accumulation=managed,
+        tag_validation=tag_validation)
 
 
 def _refuse_hf_auto(raw: Mapping[str, Any]) -> None:
@@ -274,7 +285,9 @@ def _zero_section(zero: Any) -> tuple[ZeroSection, list[tuple[str, str]]]:
                                        f"whole number of elements, got {bucket!r}")
         bucket = int(bucket)
     compute_norm = zero.get("compute_grad_norm", True)
-    return ZeroSection(int(stage), bucket, bool(compute_norm), offload, pin), no_ops
+    _check_allgather_bucket(zero, int(stage))
+    return ZeroSection(int(stage), bucket, bool(compute_norm), offload, pin,
+                       bool(zero.get("reduce_scatter", True))), no_ops
 
 
 def _force_cpu_optimizer(raw: Mapping[str, Any]) -> bool:
@@ -361,6 +374,26 @@ def _bool(value: Any, key: str) -> bool:
     return value
 
 
+NCCL_START_ALIGNMENT_FACTOR = 2
+"""DeepSpeed's ZeRO-1/2 partition alignment in elements (4 bytes of fp16,
+deepspeed/runtime/zero/stage_1_and_2.py@0.19.8); `allgather_bucket_size` must be a multiple."""
+
+
+def _check_allgather_bucket(zero: Mapping[str, Any], stage: int) -> None:
+    """DeepSpeed's ZeRO-1/2 optimizer asserts this when built; here the config is checked
+    before any collective, so every rank raises the same AssertionError at once."""
+    size = zero.get("allgather_bucket_size")
+    if stage not in (1, 2) or size is None:
+        return
+    if isinstance(size, bool) or not isinstance(size, (int, float)) or size <= 0:
+        raise DeepSpeedConfigError(f"zero_optimization.allgather_bucket_size must be a positive "
+                                   f"number of elements, got {size!r}")
+    if int(size) % NCCL_START_ALIGNMENT_FACTOR != 0:
+        raise AssertionError(f"allgather_bucket_size must be a multiple of "
+                             f"nccl_start_alignment_factor, {NCCL_START_ALIGNMENT_FACTOR} "
+                             f"(zero_optimization.allgather_bucket_size = {size!r})")
+
+
 ZEROPP_INSTEAD = {
     "zero_quantized_gradients": "DeepSpeed's qgZ is ZeRO-3 only; at stage 1/2 evenzero "
                                 "compresses the gradient reduce-scatter itself: "
@@ -438,30 +471,50 @@ def _int(section: Mapping[str, Any], key: str, default: int) -> int:
     return int(v)
 
 
-def _check_reduction_keys(raw: Mapping[str, Any]) -> None:
+def _check_reduction_keys(raw: Mapping[str, Any], zero: ZeroSection) -> tuple[str, bool]:
     sp = raw.get("sequence_parallel_size", 1)
     if sp not in (None, 1):
         raise DeepSpeedConfigError(f"config key 'sequence_parallel_size' = {sp!r}: sequence "
                                    f"parallelism is not supported by evenzero.deepspeed; remove "
                                    f"the key")
-    op = str(raw.get("gradient_allreduce_op", "mean")).lower()
-    if op != "mean":
-        raise DeepSpeedConfigError(f"config key 'gradient_allreduce_op' = {op!r}: only 'mean' "
-                                   f"is supported (gradients are averaged over the data-parallel "
-                                   f"ranks); remove the key")
-    if raw.get("managed_gradient_accumulation", True) is not True:
-        raise DeepSpeedConfigError("config key 'managed_gradient_accumulation' = false is not "
-                                   "supported; remove it (the engine counts micro-steps itself)")
-    # Pre-dividing by a factor and post-multiplying by it is the same mean; DeepSpeed's
-    # ZeRO-2 asserts the factor is 1 anyway (deepspeed/runtime/zero/stage_1_and_2.py@0.19.8:350).
+    op = raw.get("gradient_allreduce_op", "mean")
+    op = op.lower() if isinstance(op, str) else op
+    if op not in ALLREDUCE_OPS:
+        # DeepSpeed's message (deepspeed/runtime/config.py@0.19.8:241-249).
+        raise DeepSpeedConfigError(f"Invalid gradient_allreduce_op. Supported operations: "
+                                   f"{list(ALLREDUCE_OPS)}. Got: {op!r}")
+    managed = raw.get("managed_gradient_accumulation", True)
+    if not isinstance(managed, bool):
+        raise DeepSpeedConfigError(f"config key 'managed_gradient_accumulation' must be true or "
+                                   f"false, got {managed!r}")
+    # Dividing by the factor before the reduce and by world/factor after it is the same mean,
+    # so any factor is honoured by the one average. DeepSpeed's ZeRO-2 refuses a factor other
+    # than 1 when it reduce-scatters (deepspeed/runtime/zero/stage_1_and_2.py@0.19.8:350);
+    # the same assertion here keeps a config that fails there failing here.
     factor = raw.get("gradient_predivide_factor", 1.0)
-    if factor != 1.0:
-        raise DeepSpeedConfigError(f"config key 'gradient_predivide_factor' = {factor}: only 1.0 "
-                                   f"is supported; remove the key")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise DeepSpeedConfigError(f"config key 'gradient_predivide_factor' must be a number > 0, "
+                                   f"got {factor!r}")
+    if factor != 1.0 and zero.stage == 2 and zero.reduce_scatter:
+        raise AssertionError("gradient_predivide_factor != 1.0 is not yet supported with ZeRO-2 "
+                             "with reduce scatter enabled")
+    return op, managed
 
 
-def _check_misc_sections(raw: Mapping[str, Any], precision: Precision) -> None:
+ALLREDUCE_OPS = ("mean", "sum")
+TAG_VALIDATION_MODES = ("WARN", "IGNORE", "FAIL")
+
+
+def _check_misc_sections(raw: Mapping[str, Any], precision: Precision) -> str:
+    """Checks the checkpoint and data_types sections; returns checkpoint.tag_validation."""
     ckpt = raw.get("checkpoint", {}) or {}
+    mode = ckpt.get("tag_validation", "Warn")
+    mode = mode.upper() if isinstance(mode, str) else mode
+    if mode not in TAG_VALIDATION_MODES:
+        # DeepSpeed's message (deepspeed/runtime/config.py@0.19.8:387-395); raised while the
+        # config is parsed, before any collective, so every rank raises it.
+        raise DeepSpeedConfigError(f"Checkpoint config contains invalid tag_validation value of "
+                                   f"{mode}, expecting one of {list(TAG_VALIDATION_MODES)}")
     for key in ("load_universal", "use_node_local_storage"):
         if ckpt.get(key):
             raise DeepSpeedConfigError(f"config key 'checkpoint.{key}' is not supported: evenzero "
@@ -472,6 +525,10 @@ def _check_misc_sections(raw: Mapping[str, Any], precision: Precision) -> None:
     model = "fp16" if precision.fp16 else "bf16" if precision.bf16 else "fp32"
     for key in ("grad_accum_dtype", "param_dtype", "buffer_dtype"):
         value = types.get(key)
+        # Gradients accumulate in fp32 shards whatever the model dtype, so an fp32
+        # grad_accum_dtype is what already happens.
+        if key == "grad_accum_dtype" and value is not None and _dtype_name(value) == "fp32":
+            continue
         if value is not None and _dtype_name(value) != model:
             raise DeepSpeedConfigError(f"config key 'data_types.{key}' = {value!r} is not "
                                        f"supported: gradients accumulate in fp32 shards and "
@@ -481,6 +538,7 @@ def _check_misc_sections(raw: Mapping[str, Any], precision: Precision) -> None:
                                  "keep_in_fp32_modules"})
     if extra:
         raise DeepSpeedConfigError(f"config key 'data_types.{extra[0]}' is not supported")
+    return mode
 
 
 def _dtype_name(value: Any) -> str:

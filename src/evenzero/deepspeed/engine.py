@@ -21,6 +21,7 @@ The module, optimizer and data loader are set up in `evenzero.deepspeed.setup`.
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -33,6 +34,7 @@ from evenzero.deepspeed.engine_optimizer import EngineOptimizer, drop_local_grad
 from evenzero.deepspeed.launch import Placement
 from evenzero.deepspeed.log import logger
 from evenzero.deepspeed.refusals import unsupported as refusal
+from evenzero.runtime.shardedgrad import ShardedGrad
 
 
 class DeepSpeedEngine(torch.nn.Module):
@@ -65,7 +67,11 @@ class DeepSpeedEngine(torch.nn.Module):
         self._in_engine_backward = False
         self._manual_backward_expected = False
         self.inside_no_sync_ctxt = False
+        self._coalescing = False
+        self._running_step = False
         self._is_compiled = False
+        self.sparse_tensor_module_names: set[str] = set()
+        """DeepSpeed's modules with sparse gradients (`sparse_gradients`): none here."""
         if self.optimizer is not None:
             self._report_progress(0)
 
@@ -117,6 +123,16 @@ class DeepSpeedEngine(torch.nn.Module):
 
     def gradient_clipping(self) -> float:
         return self._policy.clip
+
+    def tag_validation(self) -> str:
+        """checkpoint.tag_validation: WARN (DeepSpeed's default), IGNORE or FAIL."""
+        return self._config.tag_validation
+
+    def checkpoint_tag_validation_enabled(self) -> bool:
+        return self._config.tag_validation != "IGNORE"
+
+    def checkpoint_tag_validation_fail(self) -> bool:
+        return self._config.tag_validation == "FAIL"
 
     def steps_per_print(self) -> int | None:
         return self._config.steps_per_print
@@ -196,7 +212,15 @@ class DeepSpeedEngine(torch.nn.Module):
                                "was called directly without scaling the loss. Please use one of "
                                "the following: 1. engine.backward(loss) 2. "
                                "engine.scale(loss).backward()")
-        return grad / self.gradient_accumulation_steps()
+        return grad * (self._reduce_factor() / self.gradient_accumulation_steps())
+
+    def _reduce_factor(self) -> float:
+        """What the data-parallel mean is multiplied by: the world size for
+        `gradient_allreduce_op: "sum"` (a sum is the mean times the ranks), else 1."""
+        return float(self.dp_world_size) if self._config.gradient_allreduce_op == "sum" else 1.0
+
+    def managed_gradient_accumulation(self) -> bool:
+        return self._config.managed_gradient_accumulation
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss times the fp16 loss scale, for `engine.scale(loss).backward()`."""
@@ -212,9 +236,14 @@ class DeepSpeedEngine(torch.nn.Module):
         if scale_wrt_gas:
             loss = loss / self.gradient_accumulation_steps()
         gas_scaled = loss
-        scaled = self.zero.scale_loss(loss)
+        factor = self._reduce_factor()
+        scaled = self.zero.scale_loss(loss * factor if factor != 1.0 else loss)
+        # Unmanaged accumulation has no boundary before step(); each backward reduces into
+        # the shards (the sum of reduced micro-batches is the reduced sum DeepSpeed's step
+        # computes at stages 0/1).
         local = (self.inside_no_sync_ctxt or
-                 (self._config.zero.stage < 2 and not self.is_gradient_accumulation_boundary()))
+                 (self._config.zero.stage < 2 and self.managed_gradient_accumulation()
+                  and not self.is_gradient_accumulation_boundary()))
         self._in_engine_backward = True
         try:
             if local and not self.inside_no_sync_ctxt:
@@ -246,10 +275,65 @@ class DeepSpeedEngine(torch.nn.Module):
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._is_gradient_accumulation_boundary is not None:
             return self._is_gradient_accumulation_boundary
+        if not self.managed_gradient_accumulation():
+            # The caller owns the boundary: it is step() (deepspeed/runtime/engine.py@0.19.8:3456).
+            return self._running_step
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        if not self.managed_gradient_accumulation():
+            raise AssertionError("set_gradient_accumulation_boundary() is not supported with "
+                                 "managed_gradient_accumulation=False; the caller owns the "
+                                 "boundary by calling step()")
         self._is_gradient_accumulation_boundary = is_boundary
+
+    @contextmanager
+    def coalesce_grad_reduction(self) -> Iterator[None]:
+        """DeepSpeed's one-reduction-per-step context (deepspeed/runtime/engine.py@0.19.8:
+        3239): backwards inside accumulate locally; leaving it reduces what they left, once,
+        for the next `step()`, which must not run inside."""
+        if not self.managed_gradient_accumulation():
+            raise AssertionError("coalesce_grad_reduction is not supported with "
+                                 "managed_gradient_accumulation=False; the caller already owns "
+                                 "the accumulation boundary via step()")
+        self.require_optimizer("coalesce_grad_reduction")
+        if self._config.zero.stage not in (1, 2):
+            raise NotImplementedError(f"coalesce_grad_reduction requires ZeRO stage 1/2/3, got "
+                                      f"stage {self._config.zero.stage}")
+        if self.inside_no_sync_ctxt:
+            raise AssertionError("coalesce_grad_reduction cannot be nested inside another "
+                                 "no_sync context")
+        self.inside_no_sync_ctxt = True
+        self._coalescing = True
+        try:
+            with self.zero.no_sync():
+                yield
+        finally:
+            self.inside_no_sync_ctxt = False
+            self._coalescing = False
+        self._reduce_local_grads()
+
+    def _reduce_local_grads(self) -> None:
+        """Reduce the gradients that backwards under `no_sync` left in `param.grad`: a
+        backward through zeros fires each parameter's reduction on `grad + 0`, which is the
+        accumulated gradient bit for bit."""
+        params = [p for p in self.module.parameters()
+                  if p.requires_grad and p.grad is not None and not isinstance(p.grad, ShardedGrad)]
+        if not params:
+            return
+        zero = sum((p * 0).sum() for p in params)
+        self._in_engine_backward = True
+        try:
+            self.zero.scale_loss(zero).backward()
+        finally:
+            self._in_engine_backward = False
+
+    def empty_partition_cache(self) -> None:
+        """ZeRO-3 frees its gathered-parameter cache here; at stages 1 and 2 nothing is
+        partitioned, so only the allocator's cache is released (as DeepSpeed does too)."""
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def zero_grad(self) -> None:
         """Drop the parameters' local gradients (DeepSpeed's `engine.zero_grad`), frozen
@@ -262,8 +346,12 @@ class DeepSpeedEngine(torch.nn.Module):
                                  "manager")
         self.require_optimizer("step")
         self._step_applied = False
-        if self.is_gradient_accumulation_boundary():
-            self._take_model_step(lr_kwargs)
+        self._running_step = True
+        try:
+            if self.is_gradient_accumulation_boundary():
+                self._take_model_step(lr_kwargs)
+        finally:
+            self._running_step = False
         self._manual_backward_expected = False
         self.micro_steps += 1
 
@@ -289,6 +377,7 @@ class DeepSpeedEngine(torch.nn.Module):
             self._report_progress(self.global_steps + 1)
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+        self._record_param_steps()
 
     def _report_progress(self, step: int) -> None:
         if self.global_rank == 0:
@@ -319,8 +408,24 @@ class DeepSpeedEngine(torch.nn.Module):
                         load_module_only: bool = False, custom_load_fn: Any = None):
         from evenzero.deepspeed.engine_checkpoint import load_engine
 
-        return load_engine(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                           load_lr_scheduler_states, load_module_only, custom_load_fn)
+        out = load_engine(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                          load_lr_scheduler_states, load_module_only, custom_load_fn)
+        self._record_param_steps()
+        return out
+
+    def _record_param_steps(self) -> None:
+        """Give each parameter the optimizer's `step` in the inner optimizer's `state`, where
+        DeepSpeed's tests and users read it (`optimizer.optimizer.state[p]["step"]`). The
+        sharded optimizer keeps one step per shard piece; every piece steps together, so
+        the count of applied steps is every parameter's."""
+        if self.optimizer is None:
+            return
+        applied = self.global_steps - self.skipped_steps
+        state = self.optimizer.optimizer.state
+        for group in self.optimizer.optimizer.param_groups:
+            for p in group["params"]:
+                if applied > 0 and p.requires_grad:
+                    state[p]["step"] = torch.tensor(float(applied))
 
     # ------------------------------------------------------------------ module passthrough
 

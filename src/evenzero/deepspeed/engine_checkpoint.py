@@ -27,7 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from evenzero.checkpoint.format import MASTER
-from evenzero.deepspeed.log import info_rank0, warning_rank0
+from evenzero.deepspeed.log import info_rank0, logger, warning_rank0
 
 LATEST = "latest"
 ENGINE_MARK = "evenzero_deepspeed"
@@ -42,8 +42,13 @@ def save_engine(engine: Any, save_dir: str, tag: Any, client_state: dict, save_l
     from evenzero import checkpoint
 
     del exclude_frozen_parameters  # frozen parameters are always saved (they are small extras)
+    # Checked before any collective, so every rank raises it (DeepSpeed's check and wording,
+    # deepspeed/runtime/engine.py@0.19.8:4885); "" would write into the working directory.
+    if not save_dir:
+        raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
     engine.require_optimizer("save_checkpoint")
     tag = f"global_step{engine.global_steps}" if tag is None else str(tag)
+    tag = agreed_tag(tag, engine.tag_validation())
     state = {
         ENGINE_MARK: 1,
         "lr_scheduler": (engine.lr_scheduler.state_dict()
@@ -115,6 +120,29 @@ def _write_recovery_script(root: Path) -> None:
             script.write_text(_RECOVERY_TEXT)
     except OSError as e:
         warning_rank0("could not write %s: %s", script, e)
+
+
+def agreed_tag(tag: str, mode: str) -> str:
+    """The tag every rank saves under (a collective). A tag that differs across ranks
+    fails under tag_validation FAIL on every rank, with DeepSpeed's message
+    (deepspeed/runtime/engine.py@0.19.8:4850-4867); under WARN it is logged, under IGNORE
+    not. DeepSpeed then writes each rank's files under its own tag, a checkpoint that
+    cannot be loaded whole; an evenzero checkpoint is one directory, written under rank 0's
+    tag, and the warning names it."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return tag
+    tags: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(tags, tag)
+    if len(set(tags)) == 1:
+        return tag
+    msg = (f"[rank={dist.get_rank()}] The checkpoint tag name '{tag}' is not consistent across "
+           f"all ranks. Including rank unique information in checkpoint tag could cause issues "
+           f"when restoring with different world sizes.")
+    if mode == "FAIL":
+        raise AssertionError(msg)
+    if mode == "WARN":
+        logger.warning("%s The checkpoint is saved once, under rank 0's tag %r.", msg, tags[0])
+    return str(tags[0])
 
 
 def _write_latest(root: Path, tag: str) -> None:

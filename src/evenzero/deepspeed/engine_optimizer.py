@@ -10,7 +10,9 @@ from typing import Any
 
 import torch
 
+from evenzero.deepspeed.config import NCCL_START_ALIGNMENT_FACTOR
 from evenzero.deepspeed.loss_scaler import DeepSpeedLossScaler
+from evenzero.deepspeed.utils import tensor_fragment
 from evenzero.runtime.shardedgrad import ShardedGrad
 
 
@@ -25,6 +27,9 @@ class EngineOptimizer:
         """The optimizer object the script passed to `initialize`, if any."""
         self.overflow = False
         """Whether the last boundary step found non-finite gradients (and was skipped)."""
+        tensor_fragment.register(zero)
+        self.nccl_start_alignment_factor = NCCL_START_ALIGNMENT_FACTOR
+        """DeepSpeed's ZeRO-1/2 attribute (partition starts aligned to 2 fp16 elements)."""
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -32,6 +37,12 @@ class EngineOptimizer:
         object when one was passed (it shares the `ZeroOptimizer`'s `param_groups`), else
         the `ZeroOptimizer`. Its state is sharded over the ranks (`ZeroOptimizer.state_dict`)."""
         return self.client if self.client is not None else self.zero
+
+    @property
+    def single_partition_of_fp32_groups(self) -> list[torch.Tensor]:
+        """This rank's fp32 master partition of each group, flat (DeepSpeed's ZeRO-1/2
+        attribute; copies, as reading them must not change them)."""
+        return [self.zero.master_shard(g) for g in self.zero.groups]
 
     @property
     def param_groups(self) -> list[dict]:

@@ -26,9 +26,12 @@ class RefusedModuleError(ModuleNotFoundError):
 ZERO3 = "ZeRO stage 3 (parameter partitioning) is not supported; use stage 1 or 2"
 
 REFUSED_MODULES = {
+    # Submodules not provided here. runtime.zero itself, its ZeRO-1/2 modules
+    # (stage_1_and_2, config, utils, partition_parameters' enums), ops.op_builder and ops.aio
+    # import, and refuse at use.
     "runtime.zero": ZERO3,
     "zero": ZERO3,
-    "pipe": "pipeline parallelism (PipelineModule) is not supported",
+    "ops.op_builder": "DeepSpeed's compiled ops (op builders) are not provided",
     "runtime.pipe": "pipeline parallelism (PipelineModule) is not supported",
     "inference": "DeepSpeed inference (init_inference) is not supported",
     "module_inject": "kernel injection and AutoTP are not supported",
@@ -41,8 +44,6 @@ REFUSED_MODULES = {
     "ops.lion": "DeepSpeed's Lion optimizers are not provided (FusedLion, DeepSpeedCPULion)",
     "ops.lamb": "DeepSpeed's FusedLamb is not provided",
     "ops.transformer": "DeepSpeed's fused transformer kernels are not provided",
-    "ops.op_builder": "DeepSpeed's compiled ops (op builders) are not provided",
-    "ops.aio": "NVMe offload (async I/O) is not supported",
     "runtime.swap_tensor": "NVMe offload is not supported",
     "runtime.zenflow": "ZenFlow is not supported",
     "checkpoint.ds_to_universal": "universal checkpoints are not needed: evenzero checkpoints "

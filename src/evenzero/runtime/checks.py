@@ -146,7 +146,7 @@ def backward_problems(module: torch.nn.Module, managed: set[int],
     problems = []
     named = module.named_parameters() if _any_unmanaged_grad(module, managed) else ()
     for name, p in named:
-        if p.grad is not None and id(p) not in managed and p.requires_grad:
+        if p.grad is not None and id(p) not in managed and p.requires_grad and p.numel():
             if id(p) in frozen:
                 problems.append(
                     f"parameter {name!r} was frozen (requires_grad=False) when ZeroOptimizer "
@@ -165,7 +165,9 @@ def backward_problems(module: torch.nn.Module, managed: set[int],
 def _any_unmanaged_grad(module: torch.nn.Module, managed: set[int]) -> bool:
     """Whether a trainable parameter outside `managed` holds a gradient. Runs after every
     backward: a walk over the modules' own dicts costs a fifth of `named_parameters()`
-    (no names built), which then runs only to name the first such parameter."""
+    (no names built), which then runs only to name the first such parameter. An empty
+    parameter is never managed (nothing to reduce or step) and keeps its empty gradient,
+    as under DDP."""
     seen, stack = set(), [module]
     while stack:
         m = stack.pop()
@@ -173,7 +175,8 @@ def _any_unmanaged_grad(module: torch.nn.Module, managed: set[int]) -> bool:
             continue
         seen.add(id(m))
         for p in m._parameters.values():
-            if p is not None and id(p) not in managed and p.requires_grad and p.grad is not None:
+            if (p is not None and id(p) not in managed and p.requires_grad
+                    and p.grad is not None and p.numel()):
                 return True
         stack.extend(c for c in m._modules.values() if c is not None)
     return False

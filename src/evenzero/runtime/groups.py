@@ -94,6 +94,9 @@ def build_groups(module: torch.nn.Module, world_group, param_groups: Iterable[Ma
             if id(p) not in name_of:
                 if isinstance(p, torch.nn.Parameter) and not p.requires_grad:
                     continue
+                # An empty parameter is legal in a torch optimizer and has nothing to shard.
+                if p.numel() == 0 and any(p is q for q in module.parameters()):
+                    continue
                 raise GroupingError(f"param_groups[{i}] ({gname}) holds a tensor of shape "
                                     f"{list(p.shape)} that is not a trainable parameter of the module")
             if id(p) in placed:

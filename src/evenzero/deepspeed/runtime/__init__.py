@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-SUBMODULES = ("lr_schedules", "engine", "dataloader")
+SUBMODULES = ("lr_schedules", "engine", "dataloader", "zero", "fp16", "bf16_optimizer")
 
 
 def __getattr__(name: str) -> Any:

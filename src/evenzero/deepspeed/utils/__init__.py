@@ -14,8 +14,30 @@ from evenzero.deepspeed.utils.logging import (
     log_dist_once,
     set_log_level_from_string,
 )
+from evenzero.deepspeed.utils.tensor_fragment import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_grad,
+    safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_grad,
+    safe_set_local_optimizer_state,
+    safe_update_full_grad_vectorized,
+)
+from evenzero.deepspeed.utils.z3_leaf_module import (
+    get_z3_leaf_modules,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+)
 
-SUBMODULES = ("logging", "zero_to_fp32")
+SUBMODULES = ("logging", "tensor_fragment", "torch", "z3_leaf_module", "zero_to_fp32")
 
 
 def __getattr__(name: str) -> Any:
@@ -26,5 +48,11 @@ def __getattr__(name: str) -> Any:
                          f"RepeatingLoader and the submodules {', '.join(SUBMODULES)} are)")
 
 
-__all__ = ["RepeatingLoader", "log_dist", "log_dist_once", "logger",
-           "set_log_level_from_string"]
+__all__ = ["RepeatingLoader", "get_z3_leaf_modules", "safe_get_full_fp32_param",
+           "safe_get_full_grad", "safe_get_full_optimizer_state", "safe_get_local_fp32_param",
+           "safe_get_local_grad", "safe_get_local_optimizer_state", "safe_set_full_fp32_param",
+           "safe_set_full_grad", "safe_set_full_optimizer_state", "safe_set_local_fp32_param",
+           "safe_set_local_grad", "safe_set_local_optimizer_state",
+           "safe_update_full_grad_vectorized", "log_dist", "log_dist_once", "logger",
+           "set_log_level_from_string", "set_z3_leaf_module", "set_z3_leaf_modules",
+           "unset_z3_leaf_modules", "z3_leaf_module"]
