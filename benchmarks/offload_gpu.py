@@ -155,12 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help="the tiny GPT (smoke test)")
+    p.add_argument("--size", choices=sorted(GPT_SIZES), default="gpu-350m",
+                   help="the GPT (evenzero.repro.gptmodel.GPT_SIZES)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bucket-numel", type=int, default=50_000_000)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
-    config = GPT_SIZES["tiny" if args.tiny else "gpu-350m"]
+    config = GPT_SIZES["tiny" if args.tiny else args.size]
     bucket = 4096 if args.tiny else args.bucket_numel
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

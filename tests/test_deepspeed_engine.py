@@ -167,6 +167,36 @@ def check_client_fused_adam_equals_config_adam() -> None:
         assert torch.equal(a, b)
 
 
+def check_offload_config_trains_as_without_and_refuses_a_client_like_deepspeed() -> None:
+    """`offload_optimizer: {device: cpu}`: Adam is DeepSpeed's CPU Adam, the masters live on
+    the host, and the run equals the one without offload bit for bit; a torch client
+    optimizer is refused unless `zero_force_ds_cpu_optimizer` is false (issue 26)."""
+    from evenzero.deepspeed import DeepSpeedConfigError
+    from evenzero.deepspeed.fused_adam import DeepSpeedCPUAdam
+
+    adam = {"type": "Adam", "params": {"lr": 0.01, "weight_decay": 0.1}}
+    plain = _engine(_config(2, optimizer=adam))
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    offloaded = _engine(_config(2, optimizer=adam, zero_optimization=zero))
+    assert offloaded.zero_cpu_offload() and not plain.zero_cpu_offload()
+    assert offloaded.zero.inner_optimizer_class is DeepSpeedCPUAdam
+    assert all(g.placement.offloaded for g in offloaded.zero.groups.values())
+    for engine in (plain, offloaded):
+        for i in range(4):
+            engine.backward(_loss(engine, i))
+            engine.step()
+    for a, b in zip(_params(plain), _params(offloaded), strict=True):
+        assert torch.equal(a, b)
+    cfg = _config(2, zero_optimization=zero)
+    del cfg["optimizer"]
+    model = _model()
+    with pytest.raises(DeepSpeedConfigError, match="ZeRO-Offload with a client"):
+        _engine(cfg, model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01))
+    model = _model()
+    _engine({**cfg, "zero_force_ds_cpu_optimizer": False}, model,
+            optimizer=torch.optim.AdamW(model.parameters(), lr=0.01))
+
+
 def check_client_scheduler_callable() -> None:
     engine = _engine(_config(2), lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(
         o, step_size=1, gamma=0.5))

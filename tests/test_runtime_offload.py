@@ -122,7 +122,7 @@ def _equal_job(rank: int, world: int, cases=CASES, refusals: bool = False,
     if path is not None:
         wrong += _checkpoints_cross(rank, path)
     if refusals:
-        wrong += _memory_agrees_with_plan(rank)
+        wrong += _memory_agrees_with_plan(rank, world)
         errors = _refusals(rank)
         if "offload_optimizer='cpu' steps the optimizer on the host" not in errors["optimizer"]:
             wrong.append(f"optimizer refusal: {errors['optimizer']}")
@@ -150,10 +150,11 @@ def test_offload_is_bit_identical_at_two_ranks(tmp_path):
 
 @pytest.mark.slow
 def test_offload_is_bit_identical_at_four_ranks():
-    assert run_distributed(_equal_job, 4, (SLOW_CASES,), timeout=480) == [[]] * 4
+    """With stage 1 too, and memory_report() against the plan at 4 ranks."""
+    assert run_distributed(_equal_job, 4, (SLOW_CASES, True), timeout=600) == [[]] * 4
 
 
-def _memory_agrees_with_plan(rank: int) -> list[str]:
+def _memory_agrees_with_plan(rank: int, world: int) -> list[str]:
     """memory_report() against the plan's estimate on a GPT, within 5%: the "device" is
     the CPU here, so device bytes are the parameters' and the buckets'; the host bytes
     are what offload holds."""
@@ -174,7 +175,7 @@ def _memory_agrees_with_plan(rank: int) -> list[str]:
     # from the same pool (gloo's all-to-all + sum: a bucket-sized receive buffer), which
     # the planner, not knowing the backend, leaves out.
     scratch = REDUCE_SCATTERS[opt.reduce_scatter_algorithm].scratch_numel(
-        max(b.numel for b in opt.plan.buckets), 2) * 4 * opt.plan.memory.buckets_in_flight
+        max(b.numel for b in opt.plan.buckets), world) * 4 * opt.plan.memory.buckets_in_flight
     planned_device = report.parameters + est.total_bytes + scratch
     opt.close()
     wrong = []
