@@ -7,8 +7,10 @@
 
 Each system trains `--steps` steps (the first 2 are warm-up); the figure is the median
 step (forward, backward, step) over the rest, and the ratios are to evenzero's. Losses of
-the first steps are printed too: evenzero and DDP should agree, DeepSpeed's ZeRO-2 Muon
-updates differ (docs/muon.md).
+the first steps are printed too, and the size of each system's first update of the Muon
+matrices against evenzero's: evenzero, DDP and DeepSpeed without ZeRO (stage 0) should
+agree; DeepSpeed's ZeRO-2 Muon updates differ (docs/muon.md). Its step time is not a
+comparison of interest (nothing sharded).
 """
 
 from __future__ import annotations
@@ -99,8 +101,9 @@ def run(system: str, rank: int, world: int, args) -> tuple[list[float], list[flo
     else:
         import deepspeed
 
+        stage = 0 if system == "deepspeed-stage0" else 2
         config = {"train_micro_batch_size_per_gpu": args.per_rank, "gradient_accumulation_steps": 1,
-                  "zero_optimization": {"stage": 2}, "steps_per_print": 10**9,
+                  "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
                   "zero_allow_untested_optimizer": True,
                   "optimizer": {"type": "Muon", "params": {"lr": LR, "adam_lr": ADAM_LR,
                                                            "weight_decay": WD}}}
@@ -108,6 +111,9 @@ def run(system: str, rank: int, world: int, args) -> tuple[list[float], list[flo
                                                model_parameters=list(model.parameters()))
         fwd, step, zero = engine, engine.step, (lambda: None)
         backward = engine.backward
+    hidden, _ = split(model)
+    before = [p.detach().clone() for p in hidden]
+    first = 0.0
     times, losses = [], []
     for s in range(args.steps):
         g = torch.Generator().manual_seed(s)
@@ -121,7 +127,12 @@ def run(system: str, rank: int, world: int, args) -> tuple[list[float], list[flo
         zero()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
-    return times, losses
+        if s == 0:
+            if system == "evenzero":
+                opt.wait_for_params()
+            first = sum(float((p.detach() - b).square().sum()) for p, b in zip(hidden, before,
+                                                                               strict=True)) ** 0.5
+    return times, losses, first
 
 
 def worker(rank: int, world: int, store: str, args, out) -> None:
@@ -131,10 +142,10 @@ def worker(rank: int, world: int, store: str, args, out) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     result = {}
     for system in args.systems:
-        times, losses = run(system, rank, world, args)
+        times, losses, first = run(system, rank, world, args)
         t = torch.tensor(times)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
-        result[system] = (statistics.median(t.tolist()[2:]), losses[:4])
+        result[system] = (statistics.median(t.tolist()[2:]), losses[:4], first)
     if rank == 0:
         out.put(result)
     dist.destroy_process_group()
@@ -150,7 +161,8 @@ def main() -> None:
     ap.add_argument("--d", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--ff", type=int, default=688)
-    ap.add_argument("--systems", nargs="+", default=["evenzero", "ddp", "deepspeed"])
+    ap.add_argument("--systems", nargs="+",
+                    default=["evenzero", "ddp", "deepspeed", "deepspeed-stage0"])
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -165,12 +177,15 @@ def main() -> None:
     base = result["evenzero"][0] if "evenzero" in result else None
     print(f"{args.world} ranks, d={args.d}, layers={args.layers}, ff={args.ff}, "
           f"vocab={args.vocab}, {args.per_rank}x{args.seq} tokens per rank")
-    print("| system | median step | vs evenzero | losses, steps 0-3 |")
-    print("|---|---:|---:|---|")
-    for system, (median, losses) in result.items():
+    moved = result["evenzero"][2] if "evenzero" in result else None
+    print("| system | median step | vs evenzero | losses, steps 0-3 | first update of the "
+          "Muon matrices vs evenzero |")
+    print("|---|---:|---:|---|---:|")
+    for system, (median, losses, first) in result.items():
         ratio = f"{median / base:.2f}x" if base else "-"
+        update = f"{first / moved:.4f}x" if moved else "-"
         print(f"| {system} | {median * 1e3:.1f} ms | {ratio} | "
-              f"{', '.join(f'{x:.5f}' for x in losses)} |")
+              f"{', '.join(f'{x:.5f}' for x in losses)} | {update} |")
 
 
 if __name__ == "__main__":
