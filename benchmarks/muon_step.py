@@ -5,8 +5,9 @@
 
     PYTHONPATH=src python3 benchmarks/muon_step.py --world 4 --steps 12
 
-Each system trains `--steps` steps (the first 2 are warm-up); the figure is the median
-step (forward, backward, step) over the rest, and the ratios are to evenzero's. Losses of
+Each system trains `--steps` steps (the first 2 are warm-up), the systems taking turns
+step by step in the same processes; the figure is the median step (forward, backward,
+step) over the rest, and the ratios are to evenzero's. Losses of
 the first steps are printed too, and the size of each system's first update of the Muon
 matrices against evenzero's: evenzero, DDP and DeepSpeed without ZeRO (stage 0) should
 agree; DeepSpeed's ZeRO-2 Muon updates differ (docs/muon.md). Its step time is not a
@@ -68,26 +69,23 @@ def split(model):
 LR, ADAM_LR, WD = 0.02, 3e-3, 0.01
 
 
-def run(system: str, rank: int, world: int, args) -> tuple[list[float], list[float]]:
+def build(system: str, args):
+    """(forward module, backward, step, zero_grad, the Muon matrices) of one system."""
     torch.manual_seed(0)
     model = Llama(args.vocab, args.d, args.layers, args.ff)
+    hidden, rest = split(model)
     if system == "evenzero":
         from evenzero import ZeroOptimizer
 
-        hidden, rest = split(model)
         opt = ZeroOptimizer(model, torch.optim.Muon,
                             [{"params": hidden},
                              {"params": rest, "optimizer": torch.optim.AdamW, "lr": ADAM_LR,
                               "weight_decay": WD}], lr=LR, weight_decay=WD)
-        fwd, step = model, opt.step
-        zero = opt.zero_grad
-        backward = lambda loss: loss.backward()  # noqa: E731
-    elif system == "ddp":
+        return model, (lambda loss: loss.backward()), opt.step, opt.zero_grad, hidden
+    if system == "ddp":
         ddp = nn.parallel.DistributedDataParallel(model)
-        hidden, rest = split(model)
         muon = torch.optim.Muon(hidden, lr=LR, weight_decay=WD)
         adamw = torch.optim.AdamW(rest, lr=ADAM_LR, weight_decay=WD)
-        fwd = ddp
 
         def step():
             muon.step()
@@ -97,42 +95,44 @@ def run(system: str, rank: int, world: int, args) -> tuple[list[float], list[flo
             muon.zero_grad()
             adamw.zero_grad()
 
-        backward = lambda loss: loss.backward()  # noqa: E731
-    else:
-        import deepspeed
+        return ddp, (lambda loss: loss.backward()), step, zero, hidden
+    import deepspeed
 
-        stage = 0 if system == "deepspeed-stage0" else 2
-        config = {"train_micro_batch_size_per_gpu": args.per_rank, "gradient_accumulation_steps": 1,
-                  "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
-                  "zero_allow_untested_optimizer": True,
-                  "optimizer": {"type": "Muon", "params": {"lr": LR, "adam_lr": ADAM_LR,
-                                                           "weight_decay": WD}}}
-        engine, _, _, _ = deepspeed.initialize(model=model, config=config,
-                                               model_parameters=list(model.parameters()))
-        fwd, step, zero = engine, engine.step, (lambda: None)
-        backward = engine.backward
-    hidden, _ = split(model)
-    before = [p.detach().clone() for p in hidden]
-    first = 0.0
-    times, losses = [], []
+    stage = 0 if system == "deepspeed-stage0" else 2
+    config = {"train_micro_batch_size_per_gpu": args.per_rank, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
+              "zero_allow_untested_optimizer": True,
+              "optimizer": {"type": "Muon", "params": {"lr": LR, "adam_lr": ADAM_LR,
+                                                       "weight_decay": WD}}}
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config,
+                                           model_parameters=list(model.parameters()))
+    return engine, engine.backward, engine.step, (lambda: None), hidden
+
+
+def run_all(rank: int, world: int, args) -> dict[str, tuple[list[float], list[float], float]]:
+    """Every system steps in turn, step by step, so that a busy moment of the machine
+    falls on all of them alike."""
+    systems = {name: build(name, args) for name in args.systems}
+    before = {name: [p.detach().clone() for p in sys[4]] for name, sys in systems.items()}
+    out = {name: ([], [], 0.0) for name in systems}
     for s in range(args.steps):
         g = torch.Generator().manual_seed(s)
         batch = torch.randint(0, args.vocab, (args.per_rank * world, args.seq + 1), generator=g)
         mine = batch[rank * args.per_rank:(rank + 1) * args.per_rank]
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = loss_of(fwd, mine)
-        backward(loss)
-        step()
-        zero()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
-        if s == 0:
-            if system == "evenzero":
-                opt.wait_for_params()
-            first = sum(float((p.detach() - b).square().sum()) for p, b in zip(hidden, before,
-                                                                               strict=True)) ** 0.5
-    return times, losses, first
+        for name, (fwd, backward, step, zero, hidden) in systems.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = loss_of(fwd, mine)
+            backward(loss)
+            step()
+            zero()
+            out[name][0].append(time.perf_counter() - t0)
+            out[name][1].append(loss.item())
+            if s == 0:
+                moved = sum(float((p.detach() - b).square().sum())
+                            for p, b in zip(hidden, before[name], strict=True)) ** 0.5
+                out[name] = (out[name][0], out[name][1], moved)
+    return out
 
 
 def worker(rank: int, world: int, store: str, args, out) -> None:
@@ -141,8 +141,7 @@ def worker(rank: int, world: int, store: str, args, out) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     result = {}
-    for system in args.systems:
-        times, losses, first = run(system, rank, world, args)
+    for system, (times, losses, first) in run_all(rank, world, args).items():
         t = torch.tensor(times)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
         result[system] = (statistics.median(t.tolist()[2:]), losses[:4], first)
