@@ -123,6 +123,10 @@ def check_bad_input(rank, world):
     opt.step()
     opt.close()
     assert ZeroOptimizer(model, Shampoo, groups, **MUON).config.whole_tensor
+    if world > 1:  # a planner that splits matrices is refused before any buffer exists
+        msg = refused(lambda: ZeroOptimizer(model, torch.optim.Muon, groups, **MUON,
+                                            strategy="fsdp2", bucket_numel=4096))
+        assert "needs a whole-tensor update" in msg and "strategy='evenzero'" in msg, msg
 
 
 CHECKS = {"equal_to_torch": check_equal_to_torch,
