@@ -160,6 +160,7 @@ EPOCHS = 3
 # DeepSpeed's Muon (type "Muon"): Muon on fc1/fc2 weights (use_muon), its Adam on the rest.
 CASES["zero2_muon"] = _base(2, optimizer={"type": "Muon", "params": {
     "lr": 0.02, "weight_decay": 0.01, "adam_lr": 5e-3}})
+CASES["zero0_muon"] = {**CASES["zero2_muon"], "zero_optimization": {"stage": 0}}
 
 TRAINING_DATA_CASES = ("zero2_adam",)
 

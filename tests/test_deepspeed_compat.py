@@ -33,7 +33,7 @@ DEFAULT_CASES = ("zero2_adam", "zero1_adam_l2", "zero2_sgd_cosine", "zero1_onecy
                  "zero2_lrrange", "zero0_adam", "client_optimizer", "zero2_torch_backward",
                  "zero2_nan_step", "zero1_zero_grad", "zero2_zero_grad",
                  "moe_ep2", "moe_ep1", "bf16_zero2", "bf16_zero0", "fp16_zero2")
-SLOW_CASES = ("zero2_fused_adam", "client_fused_adam")
+SLOW_CASES = ("zero2_fused_adam", "client_fused_adam", "zero0_muon")
 
 
 def compare(a: dict, b: dict, case: str) -> dict:

@@ -23,6 +23,11 @@ from test_runtime_models import (
     quirky_loss,
     train_pair,
 )
+from test_runtime_wholestep import (
+    check_bad_input,
+    check_equal_to_torch,
+    check_same_collectives_as_adamw,
+)
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.01})
 SGD = (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})
@@ -234,6 +239,10 @@ CHECKS = {
     "native_reduce_scatter_stage2": check_native_reduce_scatter,
     "replan_moves_optimizer_state": check_replan_moves_optimizer_state,
 }
+# Muon + AdamW (tests/test_runtime_wholestep.py) rides in this job: one spawn per world.
+CHECKS.update({"muon_equal_to_torch": check_equal_to_torch,
+               "muon_same_collectives_as_adamw": check_same_collectives_as_adamw,
+               "muon_bad_input": check_bad_input})
 
 
 def equivalence_job(rank: int, world: int) -> dict[str, str | None]:

@@ -21,7 +21,7 @@ CHANGED = {"stage": 1, "bucket_numel": 4096, "alignment_bytes": 256, "reduce_dty
            "master_dtype": "float64", "max_buckets_in_flight": 3, "overlap_param_gather": True,
            "optimizer_impl": "fused", "grad_compression": "int8", "grad_compression_block": 1024,
            "grad_compression_error_feedback": True, "offload_optimizer": "cpu",
-           "whole_tensor": ("layer.weight",)}
+           "whole_tensor": ("fc.weight",)}
 """A value other than the default for every field `PLAN_OPTION_OF` maps."""
 NEEDS = {"grad_compression_error_feedback": {"grad_compression": "int8"}}
 """Settings a changed field is only valid with (set on both sides of the comparison)."""

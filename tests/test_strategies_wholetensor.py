@@ -155,3 +155,15 @@ def test_seed_case_plans():
     p = plan(spec, 8, "evenzero", PlanOptions(whole_tensor=whole))
     assert all(len(r) == 1 for r in owners(p, "experts").values())
     assert sum(1 for n in p.notes if "matrix-aligned" in n) == 2
+
+
+def test_plan_command_prints_padding_and_balance(capsys):
+    from pathlib import Path
+
+    from evenzero import cli
+
+    model = str(Path(__file__).parent.parent / "benchmarks" / "models" / "llama-20m.json")
+    assert cli.main(["plan", model, "--world-size", "8", "--optimizer", "muon",
+                     "--strategy", "evenzero"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "group dense: matrix-aligned shards" in out and "max/mean 1.000" in out, out

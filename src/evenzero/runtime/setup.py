@@ -322,6 +322,23 @@ def check_compressed(plan: Plan, config: ZeroConfig) -> None:
                               f"without it; use strategy='evenzero' or grad_compression=None")
 
 
+def check_whole_owned(plan: Plan, config: ZeroConfig) -> None:
+    """Every whole-tensor parameter lies inside one rank's slice of its layout (evenzero's
+    matrix-aligned layout); raised identically on every rank, before any buffer exists."""
+    whole = set(config.whole_tensor)
+    if not whole:
+        return
+    for lay in plan.layouts:
+        share = lay.numel // plan.group(lay.group).size
+        for s in lay.params:
+            if s.name in whole and s.offset // share != (s.offset + s.numel - 1) // share:
+                name = config.strategy if isinstance(config.strategy, str) else "the custom planner"
+                raise ZeroConfigError(
+                    f"parameter {s.name!r} ({s.numel:,} elements) needs a whole-tensor update, "
+                    f"but the {name!r} plan splits it across ranks; use strategy='evenzero', "
+                    f"which lays such parameters out matrix-aligned")
+
+
 def tunes_bucket_size(strategy: str | Any) -> bool:
     """Whether the configured strategy's bucket size may be refined at run time (the
     registry says so; a custom planner callable's is its own)."""
@@ -361,6 +378,7 @@ def make_plan(spec: ModelSpec, world_size: int, config: ZeroConfig,
     if not plan.sharded:
         raise ZeroConfigError(f"strategy {config.strategy!r} keeps full optimizer state on every "
                               f"rank; ZeroOptimizer runs sharded plans such as 'evenzero'")
+    check_whole_owned(plan, config)
     if plan.world_size != world_size:
         raise PlanError(f"plan is for {plan.world_size} ranks but the world has {world_size}")
     for g in plan.groups:

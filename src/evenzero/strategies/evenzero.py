@@ -223,8 +223,8 @@ def aligned_cut(order: list[str], numel: dict[str, int], whole: dict[str, int], 
     """The next matrix-aligned bucket of `order`: its parameters and layout. A bucket cut
     at the size alone can hold too few matrices to share out evenly (at 8 ranks, 6
     up-projections and 8 attention matrices of a small Llama leave every slice 8% empty),
-    so the end is the one with the least padding between `limit` and `CUT_REACH x
-    limit` elements (the earliest within `CUT_SLACK` of it)."""
+    so the end is the first one between `limit` and `CUT_REACH x limit` elements whose
+    padding is within `CUT_SLACK`, else the earliest within `CUT_SLACK` of the least."""
     ends, used = [], 0
     for i, n in enumerate(order):
         used += numel[n]
@@ -238,6 +238,8 @@ def aligned_cut(order: list[str], numel: dict[str, int], whole: dict[str, int], 
         b = align_bucket(names, numel, {n: whole[n] for n in names if n in whole}, size,
                          align, carried)
         tried.append((names, b, (b.numel - sum(numel[n] for n in names)) / b.numel))
+        if tried[-1][2] <= CUT_SLACK:
+            return names, b
     least = min(f for _, _, f in tried)
     names, b, _ = next(t for t in tried if t[2] <= least + CUT_SLACK)
     return names, b

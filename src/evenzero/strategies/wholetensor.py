@@ -70,16 +70,30 @@ def align_bucket(names: Sequence[str], numel: Mapping[str, int],
     order = sorted(range(len(whole)), key=lambda i: (-flops[whole[i]], -numel[whole[i]], i))
     total = sum(numel[n] for n in names)
     biggest = max((numel[n] for n in whole), default=0)
-    # The smallest slice (in steps of 1/64 of the largest matrix) for which longest-processing-
-    # time, choosing only among the ranks with room left, places every matrix: padding is
-    # what the slices hold beyond the bucket's elements, so a tight slice bounds it.
+    # The smallest slice (in steps of 1/64 of the largest matrix, bisected) for which
+    # longest-processing-time, choosing only among the ranks with room left, places every
+    # matrix: padding is what the slices hold beyond the bucket's elements, so a tight
+    # slice bounds it.
     step = max(biggest // 64, align)
-    cap = align_up(max(biggest, -(-total // size), 1), align)
-    while True:
-        placed = _lpt(whole, order, numel, flops, size, cap, carried)
-        if placed is not None:
-            break
-        cap = align_up(cap + step, align)
+    low = align_up(max(biggest, -(-total // size), 1), align)
+
+    def attempt(k: int) -> list[list[str]] | None:
+        return _lpt(whole, order, numel, flops, size, low + k * step, carried)
+
+    placed = attempt(0)
+    if placed is None:
+        lo, hi = 0, 64
+        placed = attempt(hi)
+        while placed is None:  # a slice of every matrix together always fits
+            lo, hi = hi, hi * 2
+            placed = attempt(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            found = attempt(mid)
+            if found is None:
+                lo = mid
+            else:
+                hi, placed = mid, found
     work = [sum(flops[n] for n in ns) for ns in placed]
     load = [sum(numel[n] for n in ns) for ns in placed]
     share = align_up(max(max(load), -(-total // size), 1), align)
