@@ -98,6 +98,9 @@ def check_save_checkpoint_empty_dir_raises_on_every_rank(tmp: str) -> None:
         _raises_fast(ValueError, "save_dir must be a non-empty string",
                      lambda d=save_dir: engine.save_checkpoint(d))
     assert set(os.listdir(".")) == before  # nothing written into the working directory
+    assert engine.save_16bit_model(os.path.join(tmp, "w16"), "w.bin")
+    saved = torch.load(os.path.join(tmp, "w16", "w.bin"))
+    torch.testing.assert_close(saved["weight"], engine.module.weight.detach())
 
 
 def check_tag_mismatch_obeys_tag_validation(tmp: str) -> None:
@@ -281,7 +284,7 @@ def _job(rank: int, world: int, tmp: str) -> dict[str, str | None]:
     return run_checks(checks, barrier=True)
 
 
-JOB = CheckResults(_job, timeout=180)
+JOB = CheckResults(_job, timeout=300)
 CHECKS = sorted(n for n in globals() if n.startswith("check_"))
 
 

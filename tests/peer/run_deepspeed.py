@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -114,12 +115,17 @@ def _pytest_once(under: str, args: list[str], extra: list[str], timeout_s: int, 
                    "sys.exit(main())", "run", *pytest]
     else:
         command = pytest
-    proc = subprocess.run(command, cwd=VENDORED, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-    (workdir / f"{name}.log").write_text(proc.stdout)
+    log_path = workdir / f"{name}.log"
+    with open(log_path, "w") as log:
+        # Streamed, so a long run can be watched; SIGINT restored, so that interrupting
+        # pytest (which then still writes its report) works from a background job too.
+        proc = subprocess.run(command, cwd=VENDORED, env=env, stdout=log,
+                              stderr=subprocess.STDOUT, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    stdout = log_path.read_text()
     outcomes = parse_junit(junit) if junit.exists() else {}
     dropped = json.loads(deselected.read_text()) if deselected.exists() else {}
-    return outcomes, dropped, proc.returncode, proc.stdout
+    return outcomes, dropped, proc.returncode, stdout
 
 
 def sample_ids(paths: list[str], extra: list[str]) -> list[str]:

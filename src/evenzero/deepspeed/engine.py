@@ -403,6 +403,29 @@ class DeepSpeedEngine(torch.nn.Module):
         return save_engine(self, save_dir, tag, client_state or {}, save_latest,
                            exclude_frozen_parameters)
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The module's weights in their training dtype, one file written by rank 0
+        (DeepSpeed's `save_16bit_model`; at stages 1 and 2 every rank holds them whole).
+        Every rank calls it."""
+        import os
+
+        import torch.distributed as dist
+
+        if not save_dir:
+            raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
+        frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            state = {k: v.detach().cpu() for k, v in self.module.state_dict().items()
+                     if not (exclude_frozen_parameters and k in frozen)}
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, os.path.join(save_dir, save_filename))
+        if dist.is_initialized():
+            dist.barrier()
+        return True
+
+    save_fp16_model = save_16bit_model
+
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn: Any = None):
