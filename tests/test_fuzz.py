@@ -37,6 +37,14 @@ REGRESSIONS = {
     "empty_parameter_in_param_groups": Case(
         seed=41, model=ModelDraw(3, (Block("linear", 3, fp32=True), Block("zero", 0)), 2, "mixed"),
         steps=(Step(micro=((Backward(),),)),), engine=EngineDraw(stage=1, bucket_numel=16)),
+    # zero_grad(set_to_none=False), then a new optimizer (state_dict or checkpoint reload)
+    # and the block frozen: torch steps it on its zero gradient, evenzero's close() had set
+    # p.grad = None so the new optimizer skipped it (runtime/shardedgrad.py).
+    "frozen_after_reload_keeps_zero_grad": Case(
+        seed=246, model=ModelDraw(4, (Block("linear", 4), Block("conv", 2)), 1, "fp32"),
+        steps=(Step(micro=((Backward(),),), set_to_none=False),
+               Step(micro=((Backward(),),), freeze=(1,), reload="state_dict")),
+        engine=EngineDraw(stage=2, bucket_numel=16), optimizer="sgd_momentum", find_unused=True),
 }
 # Chosen from these seeds to cover every feature `features()` names (all 42 of them).
 SAMPLES = {2: (range(1000, 1400), 8), 3: (range(2000, 2400), 5)}

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .case import Case, Step
+from .case import Case, Step, needs_find_unused
 from .model import FuzzNet, block_params
 
 FP32_RTOL = 1e-6
@@ -93,7 +93,7 @@ class Reference:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         self.net = net
-        self.ddp = DDP(net, find_unused_parameters=case.find_unused,
+        self.ddp = DDP(net, find_unused_parameters=case.find_unused or needs_find_unused(case),
                        bucket_cap_mb=case.ddp_bucket_mb)
         if bf16_reduce:
             self.ddp.register_comm_hook(None, _bf16_allreduce)
