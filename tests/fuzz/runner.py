@@ -109,6 +109,11 @@ class Reference:
         cls, kw = OPTIMIZERS[self.case.optimizer]
         how = {None: {}, "single_tensor": {"foreach": False}, "foreach": {"foreach": True},
                "fused": {"fused": True}}[impl]
+        if impl == "fused" and self.case.optimizer == "sgd_momentum":
+            # torch 2.13's fused SGD raises TypeError once one parameter has a momentum
+            # buffer and another gets its first gradient (sgd.py `_fused_sgd`: all or none);
+            # evenzero's flat shards do not meet it. foreach SGD computes the same values.
+            how = {"foreach": True}
         self.opt = cls(list(self.masters.values()), lr=self.case.lr,
                        weight_decay=self.case.weight_decay, **kw, **how)
 
@@ -151,7 +156,10 @@ class Evenzero:
                  process_group=None) -> None:
         self.case, self.net, self.expert_groups = case, net, expert_groups
         self.process_group = process_group
-        self.opt = self._build(overrides or {})
+        self.overrides = dict(overrides or {})
+        """The config changes of the last checkpoint reshard: a later state_dict round
+        trip rebuilds the optimizer as it is now."""
+        self.opt = self._build(self.overrides)
 
     def _build(self, overrides: dict[str, Any]):
         from evenzero import ZeroOptimizer
@@ -198,13 +206,14 @@ class Evenzero:
         if step.reload == "state_dict":
             sd = copy.deepcopy(self.opt.state_dict())
             self.opt.close()
-            self.opt = self._build({})
+            self.opt = self._build(self.overrides)
             self.opt.load_state_dict(sd)
             return None
         ckpt.save(self.opt, directory)
         problem = self._load_alone(directory, solo) if solo is not None else None
         self.opt.close()
-        self.opt = self._build(dict(step.reshard))
+        self.overrides = dict(step.reshard)
+        self.opt = self._build(self.overrides)
         ckpt.load(self.opt, directory)
         return problem
 
@@ -457,7 +466,7 @@ def run_case(case: Case, rank: int, world: int, expert_groups, workdir: str,
     except Mismatch as e:
         return {"status": "mismatch", "detail": str(e), "worst": tol.worst}
     except Exception as e:  # noqa: BLE001 - a refusal or a crash, reported with its type
-        tb = traceback.format_exc(limit=-3)
+        tb = traceback.format_exc(limit=-8)
         return {"status": "error", "detail": f"{type(e).__name__}: {e}", "traceback": tb}
 
 
