@@ -110,3 +110,22 @@ def test_shrinking_keeps_the_failure_and_reaches_a_small_case():
     text = script(small, 2, "mismatch: ...")
     compile(text, "repro.py", "exec")
     assert "run_cases([from_dict(CASE)], world=2)" in text
+
+
+@pytest.mark.slow
+def test_a_planted_fault_shrinks_to_a_runnable_script(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fuzz.pool import first_failing
+
+    case = dataclasses.replace(draw_case(7), notes=(FAULT_DOUBLE_FIRST_BACKWARD,))
+    small = shrink(case, lambda cs: first_failing(cs, 2, lambda r: r["status"] == "mismatch"))
+    assert size(small) < size(case) and len(small.steps) == 1, small
+    repro = tmp_path / "repro.py"
+    repro.write_text(script(small, 2, "a planted fault"))
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(repro)], cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1 and done.stdout.startswith("mismatch"), done.stdout + done.stderr
