@@ -39,6 +39,9 @@ from .model import FuzzNet, block_params
 
 FP32_RTOL = 1e-6
 BF16_FLOOR = 2.0 ** -6
+# A bf16 weight near a rounding boundary lands one ulp (2^-7 near 1) apart after steps
+# that agree to 1e-7 in fp32; times an input of ~2.5 that is 0.02 in the output (seed 960).
+BF16_OUTPUT_FLOOR = 2.0 ** -5
 BF16_FACTOR = 4.0
 
 OPTIMIZERS = {
@@ -305,6 +308,8 @@ class Tolerance:
         diff, name, want = max(diffs, key=lambda x: x[0], default=(0.0, "", None))
         if what.endswith(":"):  # a per-backward output or the step's norm: O(1) values
             scale = max(scale, 1.0)
+            if self.precision == "bf16" and name == "output":
+                allowed = max(allowed, BF16_OUTPUT_FLOOR)
         kind = name if what.endswith(":") else what.split(": ")[-1]
         bound = allowed * scale + slack
         ratio = diff / bound if bound else (math.inf if diff else 0.0)
@@ -333,7 +338,14 @@ def adam_slack(case: Case, step: int) -> float:
     the learning rate per step (measured: seeds 651, 812): on Adam's weights 1e-3 of lr
     per step is allowed on top of 1e-6 relative. A lost, doubled or stale gradient moves a weight by a
     sizeable part of lr and still fails."""
-    return ADAM_SLACK * case.lr * (step + 1) if case.optimizer in ("adam", "adamw") else 0.0
+    if case.optimizer not in ("adam", "adamw"):
+        return 0.0
+    # In bf16 a gradient near zero can change sign between bf16 and fp32 accumulation, and
+    # Adam's first steps are +-lr whatever the magnitude (seed 960: gradient norms within
+    # 0.1 of their allowance, `exp_avg` within 0.6, one weight 2 lr apart). The optimizer
+    # state, linear in the gradients, is what catches a wrong gradient there.
+    per_step = 2.0 if case.precision == "bf16" else ADAM_SLACK
+    return per_step * case.lr * (step + 1)
 
 
 def _compare_state(tol: Tolerance, step: int, ez: Evenzero, refs: list[Reference]) -> None:
