@@ -37,9 +37,17 @@ REGRESSIONS = {
     "empty_parameter_in_param_groups": Case(
         seed=41, model=ModelDraw(3, (Block("linear", 3, fp32=True), Block("zero", 0)), 2, "mixed"),
         steps=(Step(micro=((Backward(),),)),), engine=EngineDraw(stage=1, bucket_numel=16)),
+    # zero_grad(set_to_none=False), then a new optimizer (state_dict or checkpoint reload)
+    # and the block frozen: torch steps it on its zero gradient, evenzero's close() had set
+    # p.grad = None so the new optimizer skipped it (runtime/shardedgrad.py).
+    "frozen_after_reload_keeps_zero_grad": Case(
+        seed=246, model=ModelDraw(4, (Block("linear", 4), Block("conv", 2)), 1, "fp32"),
+        steps=(Step(micro=((Backward(),),), set_to_none=False),
+               Step(micro=((Backward(),),), freeze=(1,), reload="state_dict")),
+        engine=EngineDraw(stage=2, bucket_numel=16), optimizer="sgd_momentum", find_unused=True),
 }
 # Chosen from these seeds to cover every feature `features()` names (all 42 of them).
-SAMPLES = {2: (range(1000, 1400), 8), 3: (range(2000, 2400), 5)}
+SAMPLES = {2: (range(1000, 1400), 6), 3: (range(2000, 2400), 5)}
 
 
 def _assert_all_ok(cases, results) -> None:
@@ -102,3 +110,22 @@ def test_shrinking_keeps_the_failure_and_reaches_a_small_case():
     text = script(small, 2, "mismatch: ...")
     compile(text, "repro.py", "exec")
     assert "run_cases([from_dict(CASE)], world=2)" in text
+
+
+@pytest.mark.slow
+def test_a_planted_fault_shrinks_to_a_runnable_script(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fuzz.pool import first_failing
+
+    case = dataclasses.replace(draw_case(7), notes=(FAULT_DOUBLE_FIRST_BACKWARD,))
+    small = shrink(case, lambda cs: first_failing(cs, 2, lambda r: r["status"] == "mismatch"))
+    assert size(small) < size(case) and len(small.steps) == 1, small
+    repro = tmp_path / "repro.py"
+    repro.write_text(script(small, 2, "a planted fault"))
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(repro)], cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 1 and done.stdout.startswith("mismatch"), done.stdout + done.stderr

@@ -14,7 +14,7 @@ from torch import nn
 
 from evenzero.runtime.checks import ZeroRuntimeError
 from evenzero.runtime.gradclear import ClearTracker, add_reduced
-from evenzero.runtime.shardedgrad import AddSeen, ShardedGrad, placeholders
+from evenzero.runtime.shardedgrad import AddSeen, ShardedGrad, drop_placeholders, placeholders
 from evenzero.runtime.shardruns import ShardRuns
 from evenzero.spec import GroupSpec, ModelSpec, ParamSpec
 from evenzero.strategies import PlanOptions, plan
@@ -223,3 +223,15 @@ def test_landing_receives_the_new_gradient_in_place():
     assert p.grad.data_ptr() == buf[1:].data_ptr() and buf.tolist() == [0, 3, 3, 3, 0]
     (p * 1).sum().backward()  # a second backward accumulates in place, as into any .grad
     assert buf.tolist() == [0, 4, 4, 4, 0]
+
+
+def test_closing_leaves_what_torch_would_hold():
+    # Found by the differential fuzzer (tests/fuzz): zero_grad(set_to_none=False), close(),
+    # a new optimizer, then the parameter frozen: torch still steps it on its zero gradient
+    # (momentum, weight decay), so close() must leave zeros there, not None.
+    cleared, kept = nn.Parameter(torch.ones(2, 3)), nn.Parameter(torch.ones(4))
+    cleared.grad, kept.grad = ShardedGrad(cleared, "cleared"), ShardedGrad(kept, "kept")
+    cleared.grad.zero_()
+    drop_placeholders({"cleared": cleared, "kept": kept})
+    assert type(cleared.grad) is torch.Tensor and torch.equal(cleared.grad, torch.zeros(2, 3))
+    assert kept.grad is None  # the reduced gradient lived in the closed optimizer's shards

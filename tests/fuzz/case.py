@@ -111,6 +111,13 @@ class Case:
         return "bf16" if low else "fp32"
 
 
+def needs_find_unused(case: Case) -> bool:
+    """Whether DDP needs find_unused_parameters=True for this case (a block left out or
+    frozen): without it DDP never finishes that bucket and its reference is wrong."""
+    return any(s.freeze or any(b.skip or b.skip_one_rank for mb in s.micro for b in mb)
+               for s in case.steps)
+
+
 # ------------------------------------------------------------------------ serialisation
 
 

@@ -164,7 +164,11 @@ def placeholders(named: list[tuple[str, torch.nn.Parameter]]) -> dict[str, Shard
 
 
 def drop_placeholders(params: Mapping[str, torch.nn.Parameter]) -> None:
-    """`p.grad = None` wherever a placeholder is left (the optimizer goes away)."""
+    """Replace every placeholder left in `p.grad` (the optimizer goes away) by what torch
+    would hold: zeros where the user cleared it with `zero_()` (`zero_grad(set_to_none=
+    False)`), so that a parameter frozen since is still stepped on zeros by the next
+    optimizer, as torch does; None otherwise (the reduced gradient is sharded and the
+    optimizer that holds it is going away)."""
     for p in params.values():
         if isinstance(p.grad, ShardedGrad):
-            p.grad = None
+            p.grad = torch.zeros_like(p) if p.grad.cleared else None
