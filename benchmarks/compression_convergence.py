@@ -166,7 +166,7 @@ def _summarise(args, argv, report: dict, wall: float | None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"args": vars(args) | {"plot": str(args.plot),
                                                                 "json": str(args.json)},
-                                         **report, "final": final}, indent=1))
+                                         **report, "final": final}, indent=1, default=str))
     if args.plot:
         import matplotlib
 
